@@ -1,0 +1,53 @@
+//! `bot debug forward`: the engine's outside interface for tests and for "is my model loaded
+//! right?". Prints one JSON object: the last prompt position's logits and greedy ids.
+
+use std::io::Write;
+
+use anyhow::Context;
+use serde::Serialize;
+
+use crate::cli::{ForwardArgs, KernelArg};
+use crate::engine::{self, CpuKernel, ModelOptions};
+
+#[derive(Serialize)]
+struct ForwardReport {
+    last_logits: Vec<f32>,
+    greedy_ids: Vec<u32>,
+}
+
+pub fn kernel(k: KernelArg) -> CpuKernel {
+    match k {
+        KernelArg::Exact => CpuKernel::Exact,
+        KernelArg::Fast => CpuKernel::Fast,
+    }
+}
+
+/// Sizes the global worker pool once; later calls keep the first size.
+pub fn init_threads(threads: Option<usize>) {
+    if let Some(n) = threads {
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(n.max(1))
+            .build_global();
+    }
+}
+
+pub fn forward(args: &ForwardArgs) -> anyhow::Result<()> {
+    init_threads(args.threads);
+    let opts = ModelOptions {
+        kernel: kernel(args.kernel),
+        ..ModelOptions::default()
+    };
+    let mut model = engine::load(&args.model, args.adapter.as_deref(), &opts)
+        .with_context(|| format!("loading the model from {}", args.model.display()))?;
+    let (last_logits, greedy_ids) = model.greedy(&args.ids, args.steps)?;
+    let mut out = std::io::stdout().lock();
+    serde_json::to_writer(
+        &mut out,
+        &ForwardReport {
+            last_logits,
+            greedy_ids,
+        },
+    )?;
+    writeln!(out)?;
+    Ok(())
+}

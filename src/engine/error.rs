@@ -1,0 +1,68 @@
+//! Typed errors of the engine: every message names the file, tensor or field, what was expected
+//! and what was found, so a user can tell a broken download from a wrong adapter.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("{path}: not a valid safetensors file: {why}")]
+    SafetensorsFormat { path: PathBuf, why: String },
+
+    #[error("{path}: tensor `{name}`: {why}")]
+    BadTensor {
+        path: PathBuf,
+        name: String,
+        why: String,
+    },
+
+    #[error("tensor `{name}` is missing from the model in {dir} ({hint})")]
+    MissingTensor {
+        dir: PathBuf,
+        name: String,
+        hint: String,
+    },
+
+    #[error("{path}: field `{field}`: {why}")]
+    Config {
+        path: PathBuf,
+        field: String,
+        why: String,
+    },
+
+    #[error(
+        "unsupported quantization mode `{mode}` in {path} (module `{module}`): only MLX `affine` \
+         quantization is supported (mxfp4, nvfp4 and mxfp8 are not)"
+    )]
+    UnsupportedQuantMode {
+        mode: String,
+        path: PathBuf,
+        module: String,
+    },
+
+    #[error("adapter {path}: {why}")]
+    Adapter { path: PathBuf, why: String },
+
+    #[error("{0}")]
+    Invalid(String),
+
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+pub type Result<T> = std::result::Result<T, EngineError>;
+
+impl EngineError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        EngineError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,44 @@
+//! Everything that turns token ids into logits: an mlx_lm model directory (config, MLX 4-bit
+//! safetensors) plus an optional mlx_lm LoRA adapter, run as Qwen3 on candle.
+
+pub mod config;
+pub mod error;
+pub mod lora;
+pub mod quant;
+pub mod quant_cpu;
+pub mod qwen3;
+pub mod weights;
+
+use std::path::Path;
+
+pub use config::{QuantParams, Qwen3Config};
+pub use error::{EngineError, Result};
+pub use lora::Adapter;
+pub use quant::{CpuKernel, QMatrix};
+pub use qwen3::{ModelOptions, Qwen3};
+pub use weights::WeightStore;
+
+/// Loads `model_dir` (and `adapter_dir`, if given) into a ready model.
+pub fn load(model_dir: &Path, adapter_dir: Option<&Path>, opts: &ModelOptions) -> Result<Qwen3> {
+    if !model_dir.is_dir() {
+        return Err(EngineError::Invalid(format!(
+            "model directory {} does not exist or is not a directory",
+            model_dir.display()
+        )));
+    }
+    let cfg = Qwen3Config::from_dir(model_dir)?;
+    let store = WeightStore::open_dir(model_dir)?;
+    let adapter = match adapter_dir {
+        Some(d) => {
+            if !d.is_dir() {
+                return Err(EngineError::Invalid(format!(
+                    "adapter directory {} does not exist or is not a directory",
+                    d.display()
+                )));
+            }
+            Some(Adapter::load(d, &opts.device)?)
+        }
+        None => None,
+    };
+    Qwen3::new(cfg, &store, adapter, opts)
+}

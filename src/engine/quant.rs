@@ -1,0 +1,342 @@
+//! MLX affine quantization (`mx.quantize(..., mode="affine")`): a row of K values is a
+//! little-endian bitstream of `bits`-wide codes (low bits first; 3/5/6-bit codes straddle u32
+//! words), with one `scale` and `bias` per `group_size` codes, `w = scale * q + bias`.
+//! `QMatrix` holds such a matrix without unpacking it; `QMatMul` is the fused candle op
+//! `y = x @ dequant(W)^T`, and `dequantize` / `matmul_reference` are the slow references that
+//! the fused kernels are tested against.
+
+use std::sync::Arc;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
+use half::{bf16, f16};
+
+use super::config::QuantParams;
+use super::error::{EngineError, Result};
+use super::quant_cpu;
+use super::weights::{Bytes, Dtype, HostTensor};
+
+/// Scales or biases: one value per (row, group), kept in the file's dtype (bf16 usually) so the
+/// weights stay memory-mapped; widening bf16 to f32 is exact and costs a shift in the kernel.
+#[derive(Debug, Clone)]
+pub struct GroupParams {
+    pub dtype: Dtype,
+    pub bytes: Bytes,
+}
+
+impl GroupParams {
+    #[inline(always)]
+    pub fn get(&self, i: usize) -> f32 {
+        let b = &self.bytes;
+        match self.dtype {
+            Dtype::BF16 => bf16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32(),
+            Dtype::F16 => f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32(),
+            _ => f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]),
+        }
+    }
+
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        (0..self.bytes.len() / self.dtype.size())
+            .map(|i| self.get(i))
+            .collect()
+    }
+}
+
+/// A quantized matrix of `rows` outputs by `cols` inputs, as stored by mlx_lm.
+#[derive(Debug, Clone)]
+pub struct QMatrix {
+    pub name: String,
+    pub rows: usize,
+    pub cols: usize,
+    pub params: QuantParams,
+    /// `rows * cols * bits / 8` bytes: row r starts at `r * row_bytes()`.
+    pub packed: Bytes,
+    pub scales: GroupParams,
+    pub biases: GroupParams,
+}
+
+impl QMatrix {
+    /// Builds from the `weight` (U32), `scales` and `biases` tensors of one module, checking
+    /// every shape against `rows` x `cols` and the quantization parameters.
+    pub fn from_tensors(
+        module: &str,
+        rows: usize,
+        cols: usize,
+        params: QuantParams,
+        weight: HostTensor,
+        scales: HostTensor,
+        biases: HostTensor,
+    ) -> Result<Self> {
+        let bad = |t: &HostTensor, why: String| EngineError::BadTensor {
+            path: t.path.clone(),
+            name: t.name.clone(),
+            why,
+        };
+        if cols % params.group_size != 0 {
+            return Err(bad(
+                &weight,
+                format!(
+                    "input width {cols} is not a multiple of group_size {}",
+                    params.group_size
+                ),
+            ));
+        }
+        if weight.dtype != Dtype::U32 {
+            return Err(bad(
+                &weight,
+                format!("expected packed U32 codes, found {}", weight.dtype),
+            ));
+        }
+        let words = cols * params.bits / 32;
+        if weight.shape != [rows, words] {
+            return Err(bad(
+                &weight,
+                format!(
+                    "expected packed shape [{rows}, {words}] ({cols} inputs at {} bits), found {:?}",
+                    params.bits, weight.shape
+                ),
+            ));
+        }
+        let groups = cols / params.group_size;
+        for t in [&scales, &biases] {
+            if !matches!(t.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32) {
+                return Err(bad(
+                    t,
+                    format!("expected BF16, F16 or F32, found {}", t.dtype),
+                ));
+            }
+            if t.shape != [rows, groups] {
+                return Err(bad(
+                    t,
+                    format!(
+                        "expected shape [{rows}, {groups}] (group_size {}), found {:?}",
+                        params.group_size, t.shape
+                    ),
+                ));
+            }
+        }
+        Ok(QMatrix {
+            name: module.to_string(),
+            rows,
+            cols,
+            params,
+            packed: weight.bytes,
+            scales: GroupParams {
+                dtype: scales.dtype,
+                bytes: scales.bytes,
+            },
+            biases: GroupParams {
+                dtype: biases.dtype,
+                bytes: biases.bytes,
+            },
+        })
+    }
+
+    pub fn groups_per_row(&self) -> usize {
+        self.cols / self.params.group_size
+    }
+
+    pub fn row_bytes(&self) -> usize {
+        self.cols * self.params.bits / 8
+    }
+
+    /// Bytes a full pass over the matrix reads (codes, scales, biases).
+    pub fn nbytes(&self) -> usize {
+        self.packed.len() + self.scales.bytes.len() + self.biases.bytes.len()
+    }
+
+    /// Unpacks the codes of `bytes` (a whole number of groups) into `out`.
+    #[inline]
+    pub fn unpack_codes(bits: usize, bytes: &[u8], out: &mut [u8]) {
+        match bits {
+            8 => out.copy_from_slice(&bytes[..out.len()]),
+            4 => {
+                for (o, &b) in out.chunks_exact_mut(2).zip(bytes) {
+                    o[0] = b & 0x0f;
+                    o[1] = b >> 4;
+                }
+            }
+            2 => {
+                for (o, &b) in out.chunks_exact_mut(4).zip(bytes) {
+                    o[0] = b & 3;
+                    o[1] = (b >> 2) & 3;
+                    o[2] = (b >> 4) & 3;
+                    o[3] = b >> 6;
+                }
+            }
+            _ => {
+                // 3, 5, 6 bits: 8 codes fill exactly `bits` bytes.
+                let mask = (1u64 << bits) - 1;
+                for (o, c) in out.chunks_exact_mut(8).zip(bytes.chunks_exact(bits)) {
+                    let mut w = 0u64;
+                    for (i, &b) in c.iter().enumerate() {
+                        w |= (b as u64) << (8 * i);
+                    }
+                    for (j, v) in o.iter_mut().enumerate() {
+                        *v = ((w >> (j * bits)) & mask) as u8;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Slow reference: one dequantized row, exactly `scale * q + bias` in f32 like mlx.
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        let gs = self.params.group_size;
+        let gb = gs * self.params.bits / 8;
+        let row = &self.packed[r * self.row_bytes()..(r + 1) * self.row_bytes()];
+        let mut codes = vec![0u8; gs];
+        for g in 0..self.groups_per_row() {
+            Self::unpack_codes(self.params.bits, &row[g * gb..(g + 1) * gb], &mut codes);
+            let (s, b) = (
+                self.scales.get(r * self.groups_per_row() + g),
+                self.biases.get(r * self.groups_per_row() + g),
+            );
+            for (o, &q) in out[g * gs..(g + 1) * gs].iter_mut().zip(&codes) {
+                *o = s * q as f32 + b;
+            }
+        }
+    }
+
+    /// Slow reference: the whole matrix dequantized, `rows x cols` row-major.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut w = vec![0f32; self.rows * self.cols];
+        for (r, row) in w.chunks_exact_mut(self.cols).enumerate() {
+            self.dequantize_row(r, row);
+        }
+        w
+    }
+
+    /// Slow reference: dequantize, then `x (m x cols) @ W^T`, accumulated in f64.
+    pub fn matmul_reference(&self, x: &[f32], m: usize) -> Vec<f32> {
+        let w = self.dequantize();
+        let mut y = vec![0f32; m * self.rows];
+        for i in 0..m {
+            let xr = &x[i * self.cols..(i + 1) * self.cols];
+            for n in 0..self.rows {
+                let wr = &w[n * self.cols..(n + 1) * self.cols];
+                y[i * self.rows + n] = xr
+                    .iter()
+                    .zip(wr)
+                    .map(|(&a, &b)| a as f64 * b as f64)
+                    .sum::<f64>() as f32;
+            }
+        }
+        y
+    }
+}
+
+/// How the CPU computes the fused product.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CpuKernel {
+    /// f32 activations, f32 accumulation: the mode the mlx_lm fixture tests use.
+    #[default]
+    Exact,
+    /// Activations quantized to int8 per 32 values and integer dot products (AVX2 where
+    /// present); see `quant_cpu` for the error bound.
+    Fast,
+}
+
+/// The fused quantized matmul as a candle op over the activations; the weights ride along.
+pub struct QMatMul {
+    pub w: Arc<QMatrix>,
+    pub kernel: CpuKernel,
+}
+
+impl CustomOp1 for QMatMul {
+    fn name(&self) -> &'static str {
+        "mlx-affine-qmatmul"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let dims = l.shape().dims();
+        let k = *dims
+            .last()
+            .ok_or_else(|| candle_core::Error::Msg("qmatmul on a scalar".into()))?;
+        if k != self.w.cols {
+            candle_core::bail!(
+                "{}: input has {} features, the matrix expects {}",
+                self.w.name,
+                k,
+                self.w.cols
+            );
+        }
+        let CpuStorage::F32(data) = s else {
+            candle_core::bail!(
+                "{}: the CPU qmatmul takes f32 activations, got {:?}",
+                self.w.name,
+                s.dtype()
+            );
+        };
+        let Some((o0, o1)) = l.contiguous_offsets() else {
+            candle_core::bail!("{}: qmatmul input must be contiguous", self.w.name);
+        };
+        let x = &data[o0..o1];
+        let m = x.len() / k;
+        let mut y = vec![0f32; m * self.w.rows];
+        quant_cpu::qmatmul(&self.w, x, m, &mut y, self.kernel);
+        let mut out = dims.to_vec();
+        *out.last_mut().unwrap_or(&mut 0) = self.w.rows;
+        Ok((CpuStorage::F32(y), Shape::from(out)))
+    }
+}
+
+/// Applies the fused op to `x (..., cols)`, giving `(..., rows)`.
+pub fn qmatmul(x: &Tensor, w: &Arc<QMatrix>, kernel: CpuKernel) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    Ok(x.apply_op1_no_bwd(&QMatMul {
+        w: w.clone(),
+        kernel,
+    })?)
+}
+
+#[cfg(test)]
+pub(crate) mod testutil {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// A random quantized matrix with valid, non-zero scales and biases, in `sdtype`.
+    pub fn random_qmatrix(
+        rows: usize,
+        cols: usize,
+        bits: usize,
+        gs: usize,
+        sdtype: Dtype,
+        seed: u64,
+    ) -> QMatrix {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let packed: Vec<u8> = (0..rows * cols * bits / 8).map(|_| rng.random()).collect();
+        let ng = rows * cols / gs;
+        let enc = |v: f32| -> Vec<u8> {
+            match sdtype {
+                Dtype::BF16 => bf16::from_f32(v).to_le_bytes().to_vec(),
+                Dtype::F16 => f16::from_f32(v).to_le_bytes().to_vec(),
+                _ => v.to_le_bytes().to_vec(),
+            }
+        };
+        let scales: Vec<u8> = (0..ng)
+            .flat_map(|_| enc(rng.random_range(0.001f32..0.05)))
+            .collect();
+        let biases: Vec<u8> = (0..ng)
+            .flat_map(|_| enc(rng.random_range(-0.4f32..0.4)))
+            .collect();
+        QMatrix {
+            name: "test".into(),
+            rows,
+            cols,
+            params: QuantParams {
+                bits,
+                group_size: gs,
+            },
+            packed: Bytes::from_vec(packed),
+            scales: GroupParams {
+                dtype: sdtype,
+                bytes: Bytes::from_vec(scales),
+            },
+            biases: GroupParams {
+                dtype: sdtype,
+                bytes: Bytes::from_vec(biases),
+            },
+        }
+    }
+}

@@ -1,0 +1,531 @@
+//! Qwen3 decoder, read top-down like candle-transformers' `qwen3.rs`, with the numerics of
+//! `mlx_lm/models/qwen3.py`: RMSNorm with a plain weight; per-head `q_norm`/`k_norm` *before*
+//! RoPE; half-split (non-traditional) RoPE with the config theta at absolute positions
+//! `offset..offset+L`; grouped-query attention scaled by `head_dim^-0.5`; SwiGLU; a KV cache;
+//! tied or untied (possibly quantized) head. Batch size is 1; compute is f32 on the CPU.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::kv_cache::KvCache;
+
+use super::config::Qwen3Config;
+use super::error::{EngineError, Result};
+use super::lora::{Adapter, LoraBranch};
+use super::quant::{qmatmul, CpuKernel, QMatrix};
+use super::weights::WeightStore;
+
+/// Run-time choices that do not change the model.
+#[derive(Debug, Clone)]
+pub struct ModelOptions {
+    pub device: Device,
+    pub kernel: CpuKernel,
+}
+
+impl Default for ModelOptions {
+    fn default() -> Self {
+        ModelOptions {
+            device: Device::Cpu,
+            kernel: CpuKernel::Exact,
+        }
+    }
+}
+
+/// A weight matrix [out, in]: MLX-quantized, or dense (modules mlx_lm left unquantized).
+#[derive(Debug, Clone)]
+pub enum Weight {
+    Quant(Arc<QMatrix>),
+    Dense(Tensor),
+}
+
+impl Weight {
+    fn load(
+        store: &WeightStore,
+        cfg: &Qwen3Config,
+        name: &str,
+        out: usize,
+        inp: usize,
+        dev: &Device,
+    ) -> Result<Self> {
+        match cfg.quant_for(store, name, inp)? {
+            Some(params) => Ok(Weight::Quant(Arc::new(QMatrix::from_tensors(
+                name,
+                out,
+                inp,
+                params,
+                store.require(&format!("{name}.weight"))?,
+                store.require(&format!("{name}.scales"))?,
+                store.require(&format!("{name}.biases"))?,
+            )?))),
+            None => {
+                let w = store.require(&format!("{name}.weight"))?;
+                w.expect_shape(&[out, inp])?;
+                Ok(Weight::Dense(w.to_candle_f32(dev)?))
+            }
+        }
+    }
+
+    /// Bytes one pass over the weight reads.
+    pub fn nbytes(&self) -> usize {
+        match self {
+            Weight::Quant(q) => q.nbytes(),
+            Weight::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
+        }
+    }
+}
+
+/// A bias-free projection with an optional LoRA branch.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    pub weight: Weight,
+    pub lora: Option<LoraBranch>,
+    kernel: CpuKernel,
+}
+
+impl Linear {
+    fn new(
+        store: &WeightStore,
+        cfg: &Qwen3Config,
+        name: &str,
+        out: usize,
+        inp: usize,
+        adapter: &mut Option<Adapter>,
+        opts: &ModelOptions,
+    ) -> Result<Self> {
+        let weight = Weight::load(store, cfg, name, out, inp, &opts.device)?;
+        let lora = match adapter {
+            Some(a) => a.take(name, inp, out)?,
+            None => None,
+        };
+        Ok(Linear {
+            weight,
+            lora,
+            kernel: opts.kernel,
+        })
+    }
+
+    /// (L, in) -> (L, out)
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = match &self.weight {
+            Weight::Quant(q) => qmatmul(x, q, self.kernel)?,
+            Weight::Dense(w) => x.matmul(&w.t()?)?,
+        };
+        match &self.lora {
+            Some(l) => Ok((y + l.forward(x)?)?),
+            None => Ok(y),
+        }
+    }
+}
+
+/// Token embedding; a quantized table is gathered row by row and only those rows dequantized.
+#[derive(Debug, Clone)]
+pub struct Embedding {
+    pub weight: Weight,
+    hidden: usize,
+}
+
+impl Embedding {
+    /// ids -> (L, H)
+    pub fn forward(&self, ids: &[u32]) -> Result<Tensor> {
+        match &self.weight {
+            Weight::Quant(q) => {
+                let mut out = vec![0f32; ids.len() * self.hidden];
+                for (row, &id) in out.chunks_exact_mut(self.hidden).zip(ids) {
+                    if id as usize >= q.rows {
+                        return Err(EngineError::Invalid(format!(
+                            "token id {id} is outside the vocabulary (size {})",
+                            q.rows
+                        )));
+                    }
+                    q.dequantize_row(id as usize, row);
+                }
+                Ok(Tensor::from_vec(
+                    out,
+                    (ids.len(), self.hidden),
+                    &Device::Cpu,
+                )?)
+            }
+            Weight::Dense(t) => {
+                let idx = Tensor::new(ids, t.device())?;
+                Ok(t.index_select(&idx, 0)?)
+            }
+        }
+    }
+}
+
+fn rms_norm_weight(store: &WeightStore, name: &str, dim: usize, dev: &Device) -> Result<Tensor> {
+    let t = store.require(name)?;
+    t.expect_shape(&[dim])?;
+    t.to_candle_f32(dev)
+}
+
+/// cos/sin of the half-split RoPE for positions `offset..offset+len`: (len, head_dim/2).
+fn rope_tables(
+    cfg: &Qwen3Config,
+    offset: usize,
+    len: usize,
+    dev: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let half = cfg.head_dim / 2;
+    let mut cos = Vec::with_capacity(len * half);
+    let mut sin = Vec::with_capacity(len * half);
+    for p in offset..offset + len {
+        for i in 0..half {
+            // inv_freq = theta^(-2i/d), computed in f64 so the table is exact to f32
+            let angle = p as f64 * cfg.rope_theta.powf(-(2.0 * i as f64) / cfg.head_dim as f64);
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    Ok((
+        Tensor::from_vec(cos, (len, half), dev)?,
+        Tensor::from_vec(sin, (len, half), dev)?,
+    ))
+}
+
+pub struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: Tensor,
+    k_norm: Tensor,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    eps: f32,
+    kv: KvCache,
+}
+
+impl Attention {
+    fn new(
+        cfg: &Qwen3Config,
+        store: &WeightStore,
+        p: &str,
+        ad: &mut Option<Adapter>,
+        o: &ModelOptions,
+    ) -> Result<Self> {
+        let (h, hd, nh, nkv) = (
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+        );
+        Ok(Attention {
+            q_proj: Linear::new(store, cfg, &format!("{p}.q_proj"), nh * hd, h, ad, o)?,
+            k_proj: Linear::new(store, cfg, &format!("{p}.k_proj"), nkv * hd, h, ad, o)?,
+            v_proj: Linear::new(store, cfg, &format!("{p}.v_proj"), nkv * hd, h, ad, o)?,
+            o_proj: Linear::new(store, cfg, &format!("{p}.o_proj"), h, nh * hd, ad, o)?,
+            q_norm: rms_norm_weight(store, &format!("{p}.q_norm.weight"), hd, &o.device)?,
+            k_norm: rms_norm_weight(store, &format!("{p}.k_norm.weight"), hd, &o.device)?,
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+            eps: cfg.rms_norm_eps as f32,
+            kv: KvCache::new(1, 256),
+        })
+    }
+
+    /// x: (L, H); cos/sin: (L, D/2); mask: (L, T) additive or None for L == 1.
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let l = x.dim(0)?;
+        let (nh, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let q = self.q_proj.forward(x)?.reshape((l, nh, hd))?; // (L, Hq, D)
+        let k = self.k_proj.forward(x)?.reshape((l, nkv, hd))?; // (L, Hkv, D)
+        let v = self.v_proj.forward(x)?.reshape((l, nkv, hd))?;
+        // q/k norms act on each head before RoPE, as in mlx_lm
+        let q = candle_nn::ops::rms_norm(&q, &self.q_norm, self.eps)?;
+        let k = candle_nn::ops::rms_norm(&k, &self.k_norm, self.eps)?;
+        let q = q.transpose(0, 1)?.contiguous()?.unsqueeze(0)?; // (1, Hq, L, D)
+        let k = k.transpose(0, 1)?.contiguous()?.unsqueeze(0)?; // (1, Hkv, L, D)
+        let q = candle_nn::rotary_emb::rope(&q, cos, sin)?.squeeze(0)?; // (Hq, L, D)
+        let k = candle_nn::rotary_emb::rope(&k, cos, sin)?.squeeze(0)?; // (Hkv, L, D)
+        let v = v.transpose(0, 1)?.contiguous()?; // (Hkv, L, D)
+        let (k, v) = self.kv.append(&k, &v)?; // (Hkv, T, D)
+        let (k, v) = (k.contiguous()?, v.contiguous()?);
+        let t = k.dim(1)?;
+        let rep = nh / nkv;
+        // Query heads sharing a KV head are stacked along the row axis: no KV copies.
+        let q = q.reshape((nkv, rep * l, hd))?; // (Hkv, rep*L, D)
+        let scores = (q.matmul(&k.t()?)? * (hd as f64).powf(-0.5))?; // (Hkv, rep*L, T)
+        let scores = match mask {
+            Some(m) => scores
+                .reshape((nkv, rep, l, t))?
+                .broadcast_add(m)?
+                .reshape((nkv, rep * l, t))?,
+            None => scores,
+        };
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let out = probs.matmul(&v)?; // (Hkv, rep*L, D)
+        let out = out
+            .reshape((nh, l, hd))?
+            .transpose(0, 1)?
+            .reshape((l, nh * hd))?; // (L, Hq*D)
+        self.o_proj.forward(&out)
+    }
+}
+
+pub struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl Mlp {
+    fn new(
+        cfg: &Qwen3Config,
+        store: &WeightStore,
+        p: &str,
+        ad: &mut Option<Adapter>,
+        o: &ModelOptions,
+    ) -> Result<Self> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        Ok(Mlp {
+            gate_proj: Linear::new(store, cfg, &format!("{p}.gate_proj"), i, h, ad, o)?,
+            up_proj: Linear::new(store, cfg, &format!("{p}.up_proj"), i, h, ad, o)?,
+            down_proj: Linear::new(store, cfg, &format!("{p}.down_proj"), h, i, ad, o)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let g = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
+        self.down_proj.forward(&(g * self.up_proj.forward(x)?)?)
+    }
+}
+
+pub struct DecoderLayer {
+    self_attn: Attention,
+    mlp: Mlp,
+    input_layernorm: Tensor,
+    post_attention_layernorm: Tensor,
+    eps: f32,
+}
+
+impl DecoderLayer {
+    fn new(
+        cfg: &Qwen3Config,
+        store: &WeightStore,
+        i: usize,
+        ad: &mut Option<Adapter>,
+        o: &ModelOptions,
+    ) -> Result<Self> {
+        let p = format!("model.layers.{i}");
+        Ok(DecoderLayer {
+            self_attn: Attention::new(cfg, store, &format!("{p}.self_attn"), ad, o)?,
+            mlp: Mlp::new(cfg, store, &format!("{p}.mlp"), ad, o)?,
+            input_layernorm: rms_norm_weight(
+                store,
+                &format!("{p}.input_layernorm.weight"),
+                cfg.hidden_size,
+                &o.device,
+            )?,
+            post_attention_layernorm: rms_norm_weight(
+                store,
+                &format!("{p}.post_attention_layernorm.weight"),
+                cfg.hidden_size,
+                &o.device,
+            )?,
+            eps: cfg.rms_norm_eps as f32,
+        })
+    }
+
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let h = candle_nn::ops::rms_norm(x, &self.input_layernorm, self.eps)?;
+        let h = (x + self.self_attn.forward(&h, cos, sin, mask)?)?;
+        let m = candle_nn::ops::rms_norm(&h, &self.post_attention_layernorm, self.eps)?;
+        Ok((h + self.mlp.forward(&m)?)?)
+    }
+}
+
+/// What a forward pass returns.
+pub struct ForwardOutput {
+    /// (L, vocab) for every position, or (1, vocab) for the last one only.
+    pub logits: Tensor,
+    /// When asked for: the embedding output, each layer's output, then the final norm's output.
+    pub hidden: Vec<Tensor>,
+}
+
+pub struct Qwen3 {
+    pub cfg: Qwen3Config,
+    embed_tokens: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: Tensor,
+    lm_head: Linear,
+    offset: usize,
+    device: Device,
+}
+
+impl Qwen3 {
+    pub fn new(
+        cfg: Qwen3Config,
+        store: &WeightStore,
+        adapter: Option<Adapter>,
+        opts: &ModelOptions,
+    ) -> Result<Self> {
+        let mut adapter = adapter;
+        let h = cfg.hidden_size;
+        let embed = Weight::load(
+            store,
+            &cfg,
+            "model.embed_tokens",
+            cfg.vocab_size,
+            h,
+            &opts.device,
+        )?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| DecoderLayer::new(&cfg, store, i, &mut adapter, opts))
+            .collect::<Result<Vec<_>>>()?;
+        let lm_head = if cfg.tie_word_embeddings {
+            Linear {
+                weight: embed.clone(),
+                lora: None,
+                kernel: opts.kernel,
+            }
+        } else {
+            Linear::new(store, &cfg, "lm_head", cfg.vocab_size, h, &mut None, opts)?
+        };
+        if let Some(a) = &adapter {
+            a.ensure_all_used()?;
+        }
+        Ok(Qwen3 {
+            norm: rms_norm_weight(store, "model.norm.weight", h, &opts.device)?,
+            embed_tokens: Embedding {
+                weight: embed,
+                hidden: h,
+            },
+            layers,
+            lm_head,
+            offset: 0,
+            device: opts.device.clone(),
+            cfg,
+        })
+    }
+
+    /// Tokens already in the KV cache.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    pub fn reset(&mut self) {
+        self.offset = 0;
+        for l in &mut self.layers {
+            l.self_attn.kv.reset();
+        }
+    }
+
+    /// Bytes of weights one decode step reads (every projection, the head, one embedding row).
+    pub fn weight_bytes_per_token(&self) -> usize {
+        let lin = |l: &Linear| l.weight.nbytes();
+        let per_layer: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                let a = &l.self_attn;
+                lin(&a.q_proj)
+                    + lin(&a.k_proj)
+                    + lin(&a.v_proj)
+                    + lin(&a.o_proj)
+                    + lin(&l.mlp.gate_proj)
+                    + lin(&l.mlp.up_proj)
+                    + lin(&l.mlp.down_proj)
+            })
+            .sum();
+        per_layer + lin(&self.lm_head) + self.embed_tokens.weight.nbytes() / self.cfg.vocab_size
+    }
+
+    /// Runs `ids` at the current cache position and appends them to the cache.
+    pub fn forward(
+        &mut self,
+        ids: &[u32],
+        all_logits: bool,
+        keep_hidden: bool,
+    ) -> Result<ForwardOutput> {
+        let l = ids.len();
+        if l == 0 {
+            return Err(EngineError::Invalid(
+                "forward needs at least one token".into(),
+            ));
+        }
+        let mut x = self.embed_tokens.forward(ids)?.to_device(&self.device)?; // (L, H)
+        let (cos, sin) = rope_tables(&self.cfg, self.offset, l, &self.device)?;
+        let t = self.offset + l;
+        let mask = if l > 1 {
+            let off = self.offset;
+            let m: Vec<f32> = (0..l)
+                .flat_map(|i| {
+                    (0..t).map(move |j| if j > off + i { f32::NEG_INFINITY } else { 0.0 })
+                })
+                .collect();
+            Some(Tensor::from_vec(m, (l, t), &self.device)?)
+        } else {
+            None
+        };
+        let mut hidden = Vec::new();
+        if keep_hidden {
+            hidden.push(x.clone());
+        }
+        for layer in &mut self.layers {
+            x = layer.forward(&x, &cos, &sin, mask.as_ref())?;
+            if keep_hidden {
+                hidden.push(x.clone());
+            }
+        }
+        self.offset = t;
+        let x = if all_logits {
+            x
+        } else {
+            x.narrow(0, l - 1, 1)?
+        };
+        let x = candle_nn::ops::rms_norm(&x, &self.norm, self.cfg.rms_norm_eps as f32)?;
+        if keep_hidden {
+            hidden.push(x.clone());
+        }
+        let logits = self.lm_head.forward(&x)?.to_dtype(DType::F32)?;
+        Ok(ForwardOutput { logits, hidden })
+    }
+
+    /// Logits of the last position of `ids`, as a host vector.
+    pub fn next_logits(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
+        let out = self.forward(ids, false, false)?;
+        Ok(out.logits.squeeze(0)?.to_vec1::<f32>()?)
+    }
+
+    /// Index of the largest logit (ties: the lowest id, like numpy's argmax).
+    pub fn argmax(logits: &[f32]) -> u32 {
+        let mut best = 0;
+        for (i, &v) in logits.iter().enumerate() {
+            if v > logits[best] {
+                best = i;
+            }
+        }
+        best as u32
+    }
+
+    /// Greedy decoding with the KV cache after a prompt; does not stop at EOS.
+    pub fn greedy(&mut self, prompt: &[u32], steps: usize) -> Result<(Vec<f32>, Vec<u32>)> {
+        self.reset();
+        let first = self.next_logits(prompt)?;
+        let mut ids = Vec::with_capacity(steps);
+        let mut logits = first.clone();
+        for s in 0..steps {
+            let id = Self::argmax(&logits);
+            ids.push(id);
+            if s + 1 < steps {
+                logits = self.next_logits(&[id])?;
+            }
+        }
+        Ok((first, ids))
+    }
+}

@@ -1,0 +1,478 @@
+//! Safetensors files (single or sharded), memory-mapped, as `mlx_lm` and `mx.save_safetensors`
+//! write them: `"__metadata__"` may be `null` and the data section need not be aligned, so
+//! tensors are byte ranges into the map and nothing assumes alignment.
+//! Format: <https://github.com/huggingface/safetensors> (8-byte LE header length, JSON header).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::ops::Deref;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use half::{bf16, f16};
+use serde_json::Value;
+
+use super::error::{EngineError, Result};
+
+/// A cheaply clonable, immutable byte range of a memory map or of an owned buffer.
+#[derive(Clone)]
+pub struct Bytes {
+    owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
+    start: usize,
+    len: usize,
+}
+
+impl Bytes {
+    pub fn from_vec(v: Vec<u8>) -> Self {
+        let len = v.len();
+        Bytes {
+            owner: Arc::new(v),
+            start: 0,
+            len,
+        }
+    }
+    fn slice_of(owner: Arc<dyn AsRef<[u8]> + Send + Sync>, start: usize, len: usize) -> Self {
+        Bytes { owner, start, len }
+    }
+}
+
+impl Deref for Bytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &(*self.owner).as_ref()[self.start..self.start + self.len]
+    }
+}
+
+impl fmt::Debug for Bytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Bytes({} bytes)", self.len)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dtype {
+    Bool,
+    U8,
+    I8,
+    U16,
+    I16,
+    F16,
+    BF16,
+    U32,
+    I32,
+    F32,
+    U64,
+    I64,
+    F64,
+}
+
+impl Dtype {
+    fn parse(s: &str) -> Option<Dtype> {
+        Some(match s {
+            "BOOL" => Dtype::Bool,
+            "U8" => Dtype::U8,
+            "I8" => Dtype::I8,
+            "U16" => Dtype::U16,
+            "I16" => Dtype::I16,
+            "F16" => Dtype::F16,
+            "BF16" => Dtype::BF16,
+            "U32" => Dtype::U32,
+            "I32" => Dtype::I32,
+            "F32" => Dtype::F32,
+            "U64" => Dtype::U64,
+            "I64" => Dtype::I64,
+            "F64" => Dtype::F64,
+            _ => return None,
+        })
+    }
+    pub fn size(self) -> usize {
+        match self {
+            Dtype::Bool | Dtype::U8 | Dtype::I8 => 1,
+            Dtype::U16 | Dtype::I16 | Dtype::F16 | Dtype::BF16 => 2,
+            Dtype::U32 | Dtype::I32 | Dtype::F32 => 4,
+            Dtype::U64 | Dtype::I64 | Dtype::F64 => 8,
+        }
+    }
+    pub fn is_float(self) -> bool {
+        matches!(self, Dtype::F16 | Dtype::BF16 | Dtype::F32 | Dtype::F64)
+    }
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+/// One tensor's description inside a file's header; offsets are relative to the data section.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorInfo {
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub begin: usize,
+    pub end: usize,
+}
+
+/// Parses a safetensors header (pure: no I/O). `file_len` is the whole file's length.
+/// Returns the offset of the data section and the tensors.
+pub fn parse_header(
+    bytes: &[u8],
+) -> std::result::Result<(usize, BTreeMap<String, TensorInfo>), String> {
+    if bytes.len() < 8 {
+        return Err(format!(
+            "file is {} bytes long, shorter than the 8-byte header length",
+            bytes.len()
+        ));
+    }
+    let mut n = [0u8; 8];
+    n.copy_from_slice(&bytes[..8]);
+    let hlen = u64::from_le_bytes(n);
+    let data_start = 8u64
+        .checked_add(hlen)
+        .filter(|&e| e <= bytes.len() as u64)
+        .ok_or_else(|| {
+            format!(
+                "header length {hlen} runs past the end of the file ({} bytes): truncated or not safetensors",
+                bytes.len()
+            )
+        })? as usize;
+    let header: serde_json::Map<String, Value> = serde_json::from_slice(&bytes[8..data_start])
+        .map_err(|e| format!("header is not a JSON object: {e}"))?;
+    let data_len = bytes.len() - data_start;
+    let mut tensors = BTreeMap::new();
+    for (name, v) in header {
+        if name == "__metadata__" {
+            continue; // a map of strings, or null as mx.save_safetensors writes it
+        }
+        let obj = v
+            .as_object()
+            .ok_or_else(|| format!("tensor `{name}`: entry is not an object"))?;
+        let dt = obj
+            .get("dtype")
+            .and_then(Value::as_str)
+            .ok_or_else(|| format!("tensor `{name}`: no `dtype`"))?;
+        let dtype =
+            Dtype::parse(dt).ok_or_else(|| format!("tensor `{name}`: unknown dtype `{dt}`"))?;
+        let shape = obj
+            .get("shape")
+            .and_then(Value::as_array)
+            .and_then(|a| {
+                a.iter()
+                    .map(|d| d.as_u64().map(|d| d as usize))
+                    .collect::<Option<Vec<_>>>()
+            })
+            .ok_or_else(|| format!("tensor `{name}`: `shape` is not a list of sizes"))?;
+        let offs = obj
+            .get("data_offsets")
+            .and_then(Value::as_array)
+            .and_then(|a| {
+                a.iter()
+                    .map(|d| d.as_u64().map(|d| d as usize))
+                    .collect::<Option<Vec<_>>>()
+            })
+            .filter(|a| a.len() == 2)
+            .ok_or_else(|| format!("tensor `{name}`: `data_offsets` is not [begin, end]"))?;
+        let (begin, end) = (offs[0], offs[1]);
+        let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        let want = numel.and_then(|n| n.checked_mul(dtype.size()));
+        if end < begin || Some(end - begin) != want {
+            return Err(format!(
+                "tensor `{name}`: data_offsets [{begin}, {end}] hold {} bytes, but {dtype} {shape:?} needs {}",
+                end.saturating_sub(begin),
+                want.map_or("an impossible number of".to_string(), |w| w.to_string())
+            ));
+        }
+        if end > data_len {
+            return Err(format!(
+                "tensor `{name}`: data ends at byte {end} of the data section, which has only {data_len} bytes: the file is truncated"
+            ));
+        }
+        tensors.insert(
+            name,
+            TensorInfo {
+                dtype,
+                shape,
+                begin,
+                end,
+            },
+        );
+    }
+    Ok((data_start, tensors))
+}
+
+/// A tensor's bytes on the host with its dtype and shape.
+#[derive(Debug, Clone)]
+pub struct HostTensor {
+    pub name: String,
+    pub path: PathBuf,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub bytes: Bytes,
+}
+
+impl HostTensor {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    fn err(&self, why: impl Into<String>) -> EngineError {
+        EngineError::BadTensor {
+            path: self.path.clone(),
+            name: self.name.clone(),
+            why: why.into(),
+        }
+    }
+
+    /// Checks the shape against `want`, naming both in the error.
+    pub fn expect_shape(&self, want: &[usize]) -> Result<()> {
+        if self.shape != want {
+            return Err(self.err(format!("expected shape {want:?}, found {:?}", self.shape)));
+        }
+        Ok(())
+    }
+
+    /// Float values widened to f32 (bf16 and f16 widen exactly).
+    pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
+        let b = &self.bytes[..];
+        Ok(match self.dtype {
+            Dtype::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            Dtype::BF16 => b
+                .chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            Dtype::F16 => b
+                .chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            Dtype::F64 => b
+                .chunks_exact(8)
+                .map(|c| {
+                    let mut a = [0u8; 8];
+                    a.copy_from_slice(c);
+                    f64::from_le_bytes(a) as f32
+                })
+                .collect(),
+            other => {
+                return Err(self.err(format!(
+                    "expected a float tensor (F32, BF16, F16), found {other}"
+                )))
+            }
+        })
+    }
+
+    /// An f32 candle tensor of the same shape on `device`.
+    pub fn to_candle_f32(&self, device: &candle_core::Device) -> Result<candle_core::Tensor> {
+        let v = self.to_f32_vec()?;
+        Ok(candle_core::Tensor::from_vec(
+            v,
+            self.shape.clone(),
+            device,
+        )?)
+    }
+}
+
+/// One memory-mapped safetensors file.
+pub struct SafetensorsFile {
+    pub path: PathBuf,
+    map: Arc<dyn AsRef<[u8]> + Send + Sync>,
+    data_start: usize,
+    pub tensors: BTreeMap<String, TensorInfo>,
+}
+
+struct Map(memmap2::Mmap);
+impl AsRef<[u8]> for Map {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl SafetensorsFile {
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = std::fs::File::open(path).map_err(|e| EngineError::io(path, e))?;
+        // SAFETY: the map is read-only; a model file rewritten underneath a running process is
+        // outside what any mmap-based loader (mlx, candle, llama.cpp) can guard against.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| EngineError::io(path, e))?;
+        Self::from_owner(path, Arc::new(Map(map)))
+    }
+
+    /// Parses an in-memory file (tests, synthetic models).
+    pub fn from_bytes(path: &Path, bytes: Vec<u8>) -> Result<Self> {
+        Self::from_owner(path, Arc::new(bytes))
+    }
+
+    fn from_owner(path: &Path, map: Arc<dyn AsRef<[u8]> + Send + Sync>) -> Result<Self> {
+        let (data_start, tensors) =
+            parse_header((*map).as_ref()).map_err(|why| EngineError::SafetensorsFormat {
+                path: path.to_path_buf(),
+                why,
+            })?;
+        Ok(SafetensorsFile {
+            path: path.to_path_buf(),
+            map,
+            data_start,
+            tensors,
+        })
+    }
+
+    pub fn get(&self, name: &str) -> Option<HostTensor> {
+        let info = self.tensors.get(name)?;
+        Some(HostTensor {
+            name: name.to_string(),
+            path: self.path.clone(),
+            dtype: info.dtype,
+            shape: info.shape.clone(),
+            bytes: Bytes::slice_of(
+                self.map.clone(),
+                self.data_start + info.begin,
+                info.end - info.begin,
+            ),
+        })
+    }
+}
+
+/// All tensors of a model directory: `model.safetensors.index.json` shards, else every
+/// `model*.safetensors` (what `mlx_lm.utils.load_model` globs).
+pub struct WeightStore {
+    pub dir: PathBuf,
+    files: Vec<SafetensorsFile>,
+    index: BTreeMap<String, usize>,
+}
+
+impl WeightStore {
+    pub fn open_dir(dir: &Path) -> Result<Self> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let mut names: Vec<PathBuf> = Vec::new();
+        if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path)
+                .map_err(|e| EngineError::io(&index_path, e))?;
+            let v: Value = serde_json::from_str(&text).map_err(|e| EngineError::Config {
+                path: index_path.clone(),
+                field: "(whole file)".into(),
+                why: format!("not valid JSON: {e}"),
+            })?;
+            let map = v
+                .get("weight_map")
+                .and_then(Value::as_object)
+                .ok_or_else(|| EngineError::Config {
+                    path: index_path.clone(),
+                    field: "weight_map".into(),
+                    why: "expected an object of tensor name -> shard file".into(),
+                })?;
+            let mut shards: Vec<String> = map
+                .values()
+                .filter_map(|s| s.as_str().map(str::to_string))
+                .collect();
+            shards.sort();
+            shards.dedup();
+            names = shards.into_iter().map(|s| dir.join(s)).collect();
+        } else {
+            let rd = std::fs::read_dir(dir).map_err(|e| EngineError::io(dir, e))?;
+            for e in rd {
+                let e = e.map_err(|e| EngineError::io(dir, e))?;
+                let n = e.file_name().to_string_lossy().to_string();
+                if n.starts_with("model") && n.ends_with(".safetensors") {
+                    names.push(e.path());
+                }
+            }
+            names.sort();
+        }
+        if names.is_empty() {
+            return Err(EngineError::Invalid(format!(
+                "no model*.safetensors in {}: is this an mlx_lm model directory?",
+                dir.display()
+            )));
+        }
+        let mut files = Vec::new();
+        let mut index = BTreeMap::new();
+        for p in names {
+            let f = SafetensorsFile::open(&p)?;
+            for k in f.tensors.keys() {
+                index.insert(k.clone(), files.len());
+            }
+            files.push(f);
+        }
+        Ok(WeightStore {
+            dir: dir.to_path_buf(),
+            files,
+            index,
+        })
+    }
+
+    /// A store over already-parsed files (synthetic models, tests).
+    pub fn from_files(dir: &Path, files: Vec<SafetensorsFile>) -> Self {
+        let mut index = BTreeMap::new();
+        for (i, f) in files.iter().enumerate() {
+            for k in f.tensors.keys() {
+                index.insert(k.clone(), i);
+            }
+        }
+        WeightStore {
+            dir: dir.to_path_buf(),
+            files,
+            index,
+        }
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    pub fn get(&self, name: &str) -> Option<HostTensor> {
+        self.index.get(name).and_then(|&i| self.files[i].get(name))
+    }
+
+    pub fn require(&self, name: &str) -> Result<HostTensor> {
+        self.get(name).ok_or_else(|| EngineError::MissingTensor {
+            dir: self.dir.clone(),
+            name: name.to_string(),
+            hint: format!("{} tensors present", self.index.len()),
+        })
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &String> {
+        self.index.keys()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(header: &str, data: &[u8]) -> Vec<u8> {
+        let mut v = (header.len() as u64).to_le_bytes().to_vec();
+        v.extend_from_slice(header.as_bytes());
+        v.extend_from_slice(data);
+        v
+    }
+
+    #[test]
+    fn parses_null_metadata_and_unaligned_header() {
+        // header length 61: data starts at an odd offset
+        let h = r#"{"__metadata__":null,"a":{"dtype":"U32","shape":[2],"data_offsets":[0,8]}}"#;
+        let b = file(h, &[1, 0, 0, 0, 2, 0, 0, 0]);
+        let (start, t) = parse_header(&b).unwrap();
+        assert_eq!(start, 8 + h.len());
+        assert_eq!(t["a"].shape, vec![2]);
+    }
+
+    #[test]
+    fn rejects_truncation_and_bad_dtypes() {
+        let h = r#"{"a":{"dtype":"U32","shape":[4],"data_offsets":[0,16]}}"#;
+        let e = parse_header(&file(h, &[0; 8])).unwrap_err();
+        assert!(e.contains("truncated"), "{e}");
+        let h = r#"{"a":{"dtype":"Q9","shape":[1],"data_offsets":[0,1]}}"#;
+        assert!(parse_header(&file(h, &[0]))
+            .unwrap_err()
+            .contains("unknown dtype `Q9`"));
+        let h = r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#;
+        assert!(parse_header(&file(h, &[0; 8]))
+            .unwrap_err()
+            .contains("needs 12"));
+        let mut b = file("{}", &[]);
+        b[0] = 200;
+        assert!(parse_header(&b).unwrap_err().contains("past the end"));
+    }
+}

@@ -1,0 +1,7 @@
+//! `bot`: writes short posts in the user's voice with a LoRA-tuned Qwen3 stored in MLX's
+//! quantized format, on the user's own machine. The binary (`main.rs`) only parses and
+//! dispatches; everything it runs lives here so tests can call it directly.
+
+pub mod cli;
+pub mod debug;
+pub mod engine;
