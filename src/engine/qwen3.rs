@@ -59,6 +59,13 @@ impl Weight {
             )?))),
             None => {
                 let w = store.require(&format!("{name}.weight"))?;
+                if w.dtype == super::weights::Dtype::U32 {
+                    return Err(EngineError::MissingTensor {
+                        dir: store.dir.clone(),
+                        name: format!("{name}.scales"),
+                        hint: format!("`{name}.weight` holds packed U32 codes, which need scales and biases"),
+                    });
+                }
                 w.expect_shape(&[out, inp])?;
                 Ok(Weight::Dense(w.to_candle_f32(dev)?))
             }

@@ -1,4 +1,7 @@
-//! One integration binary (one link step): the engine against mlx_lm's references, the CLI.
+//! One integration binary (one link step): the engine against mlx_lm's references, bad input,
+//! the CLI.
 
+mod bad_input;
+mod cli;
 mod common;
 mod engine_vs_mlx;
