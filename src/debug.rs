@@ -19,6 +19,7 @@ pub fn kernel(k: KernelArg) -> CpuKernel {
     match k {
         KernelArg::Exact => CpuKernel::Exact,
         KernelArg::Fast => CpuKernel::Fast,
+        KernelArg::Int8 => CpuKernel::Int8,
     }
 }
 

@@ -2,6 +2,7 @@
 //! quantized format, on the user's own machine. The binary (`main.rs`) only parses and
 //! dispatches; everything it runs lives here so tests can call it directly.
 
+pub mod bench;
 pub mod cli;
 pub mod debug;
 pub mod engine;

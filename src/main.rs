@@ -6,6 +6,7 @@ use bot::cli::{Cli, Command, DebugCommand};
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Command::Bench(args) => bot::bench::run(&args),
         Command::Debug(DebugCommand::Forward(args)) => bot::debug::forward(&args),
     }
 }

@@ -1,12 +1,16 @@
 //! Everything that turns token ids into logits: an mlx_lm model directory (config, MLX 4-bit
 //! safetensors) plus an optional mlx_lm LoRA adapter, run as Qwen3 on candle.
 
+pub mod attention_cpu;
 pub mod config;
+pub mod device;
 pub mod error;
 pub mod lora;
+pub mod profile;
 pub mod quant;
 pub mod quant_cpu;
 pub mod qwen3;
+pub mod synthetic;
 pub mod weights;
 
 use std::path::Path;

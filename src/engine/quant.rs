@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
-use half::{bf16, f16};
+use half::f16;
 
 use super::config::QuantParams;
 use super::error::{EngineError, Result};
@@ -25,20 +25,50 @@ pub struct GroupParams {
 }
 
 impl GroupParams {
-    #[inline(always)]
-    pub fn get(&self, i: usize) -> f32 {
-        let b = &self.bytes;
-        match self.dtype {
-            Dtype::BF16 => bf16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32(),
-            Dtype::F16 => f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32(),
-            _ => f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]),
+    /// A borrowed view for hot loops: resolves `Bytes` once, not per value.
+    #[inline]
+    pub fn view(&self) -> ParamView<'_> {
+        ParamView {
+            dtype: self.dtype,
+            bytes: &self.bytes,
         }
     }
 
+    pub fn get(&self, i: usize) -> f32 {
+        self.view().get(i)
+    }
+
     pub fn to_f32_vec(&self) -> Vec<f32> {
+        let v = self.view();
         (0..self.bytes.len() / self.dtype.size())
-            .map(|i| self.get(i))
+            .map(|i| v.get(i))
             .collect()
+    }
+}
+
+#[derive(Clone, Copy)]
+pub struct ParamView<'a> {
+    dtype: Dtype,
+    bytes: &'a [u8],
+}
+
+impl<'a> ParamView<'a> {
+    /// The raw little-endian bytes.
+    pub fn raw(&self) -> &'a [u8] {
+        self.bytes
+    }
+
+    #[inline(always)]
+    pub fn get(&self, i: usize) -> f32 {
+        let b = self.bytes;
+        match self.dtype {
+            // bf16 is the top half of an f32
+            Dtype::BF16 => {
+                f32::from_bits((u16::from_le_bytes([b[2 * i], b[2 * i + 1]]) as u32) << 16)
+            }
+            Dtype::F16 => f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32(),
+            _ => f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]),
+        }
     }
 }
 
@@ -232,9 +262,11 @@ pub enum CpuKernel {
     /// f32 activations, f32 accumulation: the mode the mlx_lm fixture tests use.
     #[default]
     Exact,
-    /// Activations quantized to int8 per 32 values and integer dot products (AVX2 where
-    /// present); see `quant_cpu` for the error bound.
+    /// Activations rounded to 15-bit integers per 32 values and integer dot products (AVX2,
+    /// 4-bit weights; other cases use `Exact`); see `quant_cpu` for the error bound.
     Fast,
+    /// Like `Fast` with 8-bit activations: less work, larger error.
+    Int8,
 }
 
 /// The fused quantized matmul as a candle op over the activations; the weights ride along.
@@ -293,6 +325,7 @@ pub fn qmatmul(x: &Tensor, w: &Arc<QMatrix>, kernel: CpuKernel) -> Result<Tensor
 #[cfg(test)]
 pub(crate) mod testutil {
     use super::*;
+    use half::bf16;
     use rand::{Rng, SeedableRng};
 
     /// A random quantized matrix with valid, non-zero scales and biases, in `sdtype`.

@@ -5,13 +5,16 @@
 //! tied or untied (possibly quantized) head. Batch size is 1; compute is f32 on the CPU.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::kv_cache::KvCache;
 
+use super::attention_cpu::{self, Dims, HostKv};
 use super::config::Qwen3Config;
 use super::error::{EngineError, Result};
 use super::lora::{Adapter, LoraBranch};
+use super::profile::{self, Part};
 use super::quant::{qmatmul, CpuKernel, QMatrix};
 use super::weights::WeightStore;
 
@@ -63,7 +66,9 @@ impl Weight {
                     return Err(EngineError::MissingTensor {
                         dir: store.dir.clone(),
                         name: format!("{name}.scales"),
-                        hint: format!("`{name}.weight` holds packed U32 codes, which need scales and biases"),
+                        hint: format!(
+                            "`{name}.weight` holds packed U32 codes, which need scales and biases"
+                        ),
                     });
                 }
                 w.expect_shape(&[out, inp])?;
@@ -87,6 +92,7 @@ pub struct Linear {
     pub weight: Weight,
     pub lora: Option<LoraBranch>,
     kernel: CpuKernel,
+    part: Part,
 }
 
 impl Linear {
@@ -108,17 +114,25 @@ impl Linear {
             weight,
             lora,
             kernel: opts.kernel,
+            part: Part::Projections,
         })
     }
 
     /// (L, in) -> (L, out)
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let t = Instant::now();
         let y = match &self.weight {
             Weight::Quant(q) => qmatmul(x, q, self.kernel)?,
             Weight::Dense(w) => x.matmul(&w.t()?)?,
         };
+        profile::add(self.part, t);
         match &self.lora {
-            Some(l) => Ok((y + l.forward(x)?)?),
+            Some(l) => {
+                let t = Instant::now();
+                let y = (y + l.forward(x)?)?;
+                profile::add(Part::Lora, t);
+                Ok(y)
+            }
             None => Ok(y),
         }
     }
@@ -202,6 +216,11 @@ pub struct Attention {
     head_dim: usize,
     eps: f32,
     kv: KvCache,
+    host_kv: HostKv,
+    /// Use the candle-op path on the CPU too (tests compare the two).
+    pub reference_path: bool,
+    q_norm_host: Vec<f32>,
+    k_norm_host: Vec<f32>,
 }
 
 impl Attention {
@@ -230,6 +249,10 @@ impl Attention {
             head_dim: hd,
             eps: cfg.rms_norm_eps as f32,
             kv: KvCache::new(1, 256),
+            host_kv: HostKv::default(),
+            reference_path: false,
+            q_norm_host: store.require(&format!("{p}.q_norm.weight"))?.to_f32_vec()?,
+            k_norm_host: store.require(&format!("{p}.k_norm.weight"))?.to_f32_vec()?,
         })
     }
 
@@ -246,6 +269,31 @@ impl Attention {
         let q = self.q_proj.forward(x)?.reshape((l, nh, hd))?; // (L, Hq, D)
         let k = self.k_proj.forward(x)?.reshape((l, nkv, hd))?; // (L, Hkv, D)
         let v = self.v_proj.forward(x)?.reshape((l, nkv, hd))?;
+        let t0 = Instant::now();
+        if q.device().is_cpu() && !self.reference_path {
+            let dims = Dims {
+                n_heads: nh,
+                n_kv: nkv,
+                head_dim: hd,
+                eps: self.eps,
+            };
+            let flat = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
+            let (cos_h, sin_h) = (flat(cos)?, flat(sin)?);
+            let out = attention_cpu::attend(
+                &dims,
+                flat(&q)?,
+                flat(&k)?,
+                &flat(&v)?,
+                &self.q_norm_host,
+                &self.k_norm_host,
+                &cos_h,
+                &sin_h,
+                &mut self.host_kv,
+            );
+            let out = Tensor::from_vec(out, (l, nh * hd), q.device())?;
+            profile::add(Part::Attention, t0);
+            return self.o_proj.forward(&out);
+        }
         // q/k norms act on each head before RoPE, as in mlx_lm
         let q = candle_nn::ops::rms_norm(&q, &self.q_norm, self.eps)?;
         let k = candle_nn::ops::rms_norm(&k, &self.k_norm, self.eps)?;
@@ -274,6 +322,7 @@ impl Attention {
             .reshape((nh, l, hd))?
             .transpose(0, 1)?
             .reshape((l, nh * hd))?; // (L, Hq*D)
+        profile::add(Part::Attention, t0);
         self.o_proj.forward(&out)
     }
 }
@@ -399,9 +448,13 @@ impl Qwen3 {
                 weight: embed.clone(),
                 lora: None,
                 kernel: opts.kernel,
+                part: Part::Head,
             }
         } else {
-            Linear::new(store, &cfg, "lm_head", cfg.vocab_size, h, &mut None, opts)?
+            Linear {
+                part: Part::Head,
+                ..Linear::new(store, &cfg, "lm_head", cfg.vocab_size, h, &mut None, opts)?
+            }
         };
         if let Some(a) = &adapter {
             a.ensure_all_used()?;
@@ -420,6 +473,15 @@ impl Qwen3 {
         })
     }
 
+    /// Runs attention through candle ops on the CPU too, instead of `attention_cpu` (the
+    /// two are compared in tests; GPUs always use candle ops). Resets the cache.
+    pub fn use_reference_attention(&mut self, on: bool) {
+        self.reset();
+        for l in &mut self.layers {
+            l.self_attn.reference_path = on;
+        }
+    }
+
     /// Tokens already in the KV cache.
     pub fn offset(&self) -> usize {
         self.offset
@@ -429,6 +491,7 @@ impl Qwen3 {
         self.offset = 0;
         for l in &mut self.layers {
             l.self_attn.kv.reset();
+            l.self_attn.host_kv.clear();
         }
     }
 

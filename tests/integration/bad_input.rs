@@ -29,7 +29,11 @@ fn scratch() -> Scratch {
     let adapter = tmp.path().join("adapter");
     copy_dir(&fixtures().join("q4g64"), &model);
     copy_dir(&fixtures().join("adapter"), &adapter);
-    Scratch { _tmp: tmp, model, adapter }
+    Scratch {
+        _tmp: tmp,
+        model,
+        adapter,
+    }
 }
 
 fn load_err(model: &Path, adapter: Option<&Path>) -> String {
@@ -43,13 +47,17 @@ fn load_err(model: &Path, adapter: Option<&Path>) -> String {
 fn patch(path: &Path, from: &str, to: &str) {
     assert_eq!(from.len(), to.len());
     let mut b = std::fs::read(path).unwrap();
-    let i = b.windows(from.len()).position(|w| w == from.as_bytes()).unwrap_or_else(|| panic!("`{from}` not in {}", path.display()));
+    let i = b
+        .windows(from.len())
+        .position(|w| w == from.as_bytes())
+        .unwrap_or_else(|| panic!("`{from}` not in {}", path.display()));
     b[i..i + to.len()].copy_from_slice(to.as_bytes());
     std::fs::write(path, b).unwrap();
 }
 
 fn edit_json(path: &Path, f: impl FnOnce(&mut serde_json::Value)) {
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     f(&mut v);
     std::fs::write(path, serde_json::to_string_pretty(&v).unwrap()).unwrap();
 }
@@ -107,7 +115,13 @@ fn header_length_past_end_of_file() {
     b[..8].copy_from_slice(&(1u64 << 40).to_le_bytes());
     std::fs::write(&f, &b).unwrap();
     let e = load_err(&s.model, None);
-    assert_has(&e, &["model.safetensors", "header length 1099511627776 runs past the end"]);
+    assert_has(
+        &e,
+        &[
+            "model.safetensors",
+            "header length 1099511627776 runs past the end",
+        ],
+    );
 }
 
 #[test]
@@ -121,31 +135,58 @@ fn unknown_dtype_is_named() {
 #[test]
 fn missing_tensor_is_named() {
     let s = scratch();
-    patch(&s.model.join("model.safetensors"), "model.norm.weight", "model.norm.weighx");
+    patch(
+        &s.model.join("model.safetensors"),
+        "model.norm.weight",
+        "model.norm.weighx",
+    );
     let e = load_err(&s.model, None);
     assert_has(&e, &["`model.norm.weight` is missing"]);
     let s = scratch();
-    patch(&s.model.join("model.safetensors"), "layers.1.mlp.up_proj.scales", "layers.1.mlp.up_proj.scalez");
+    patch(
+        &s.model.join("model.safetensors"),
+        "layers.1.mlp.up_proj.scales",
+        "layers.1.mlp.up_proj.scalez",
+    );
     let e = load_err(&s.model, None);
-    assert_has(&e, &["`model.layers.1.mlp.up_proj.scales` is missing", "packed U32"]);
+    assert_has(
+        &e,
+        &[
+            "`model.layers.1.mlp.up_proj.scales` is missing",
+            "packed U32",
+        ],
+    );
 }
 
 #[test]
 fn packed_shape_inconsistent_with_bits() {
     let s = scratch();
     edit_json(&s.model.join("config.json"), |v| {
-        v["quantization"]["model.layers.0.mlp.up_proj"] = serde_json::json!({"bits": 8, "group_size": 64});
+        v["quantization"]["model.layers.0.mlp.up_proj"] =
+            serde_json::json!({"bits": 8, "group_size": 64});
     });
     let e = load_err(&s.model, None);
-    assert_has(&e, &["model.layers.0.mlp.up_proj.weight", "expected packed shape [256, 32]", "found [256, 16]"]);
+    assert_has(
+        &e,
+        &[
+            "model.layers.0.mlp.up_proj.weight",
+            "expected packed shape [256, 32]",
+            "found [256, 16]",
+        ],
+    );
 }
 
 #[test]
 fn unsupported_quantization_mode() {
     let s = scratch();
-    edit_json(&s.model.join("config.json"), |v| v["quantization"]["mode"] = "mxfp4".into());
+    edit_json(&s.model.join("config.json"), |v| {
+        v["quantization"]["mode"] = "mxfp4".into()
+    });
     let e = load_err(&s.model, None);
-    assert_has(&e, &["unsupported quantization mode `mxfp4`", "config.json"]);
+    assert_has(
+        &e,
+        &["unsupported quantization mode `mxfp4`", "config.json"],
+    );
 }
 
 #[test]
@@ -159,7 +200,14 @@ fn adapter_with_wrong_shapes_or_layers() {
         ],
     );
     let e = load_err(&s.model, Some(&s.adapter));
-    assert_has(&e, &["model.layers.3.self_attn.q_proj.lora_a", "expected shape [128, 8]", "found [64, 8]"]);
+    assert_has(
+        &e,
+        &[
+            "model.layers.3.self_attn.q_proj.lora_a",
+            "expected shape [128, 8]",
+            "found [64, 8]",
+        ],
+    );
 
     write_f32_safetensors(
         &s.adapter.join("adapters.safetensors"),
@@ -175,9 +223,17 @@ fn adapter_with_wrong_shapes_or_layers() {
 #[test]
 fn adapter_of_another_kind_is_refused() {
     let s = scratch();
-    edit_json(&s.adapter.join("adapter_config.json"), |v| v["fine_tune_type"] = "dora".into());
+    edit_json(&s.adapter.join("adapter_config.json"), |v| {
+        v["fine_tune_type"] = "dora".into()
+    });
     let e = load_err(&s.model, Some(&s.adapter));
-    assert_has(&e, &["adapter_config.json", "fine_tune_type `dora` is not supported"]);
+    assert_has(
+        &e,
+        &[
+            "adapter_config.json",
+            "fine_tune_type `dora` is not supported",
+        ],
+    );
 }
 
 #[test]
@@ -194,6 +250,9 @@ fn cli_reports_bad_input_on_stderr_with_nonzero_exit() {
     assert!(!out.status.success());
     assert!(out.stdout.is_empty());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_has(&err, &["error:", "model.safetensors", "unknown dtype `X32`"]);
+    assert_has(
+        &err,
+        &["error:", "model.safetensors", "unknown dtype `X32`"],
+    );
     assert!(!err.contains("panicked"), "{err}");
 }

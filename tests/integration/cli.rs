@@ -10,7 +10,11 @@ fn debug_forward_prints_logits_and_greedy_ids() {
     let v = "q4g64";
     let r = Reference::open(v);
     let ids = r.prompt_ids();
-    let ids_arg = ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",");
+    let ids_arg = ids
+        .iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
     let out = Command::cargo_bin("bot")
         .unwrap()
         .args(["debug", "forward", "--model"])
@@ -20,15 +24,34 @@ fn debug_forward_prints_logits_and_greedy_ids() {
         .args(["--ids", &ids_arg, "--steps", "32"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8(out.stdout).unwrap();
     assert_eq!(text.lines().count(), 1, "one JSON object on one line");
     let j: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let got: Vec<f32> = j["last_logits"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+    let got: Vec<f32> = j["last_logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect();
     let (want, shape) = r.f32("logits_lora_f32");
     assert!(max_abs_diff(&got, &want[want.len() - shape[1]..]) <= 1e-3);
-    let greedy: Vec<u64> = j["greedy_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+    let greedy: Vec<u64> = j["greedy_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
     let reference = greedy_ref(v, "lora", false);
-    let want_ids: Vec<u64> = reference["tokens"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+    let want_ids: Vec<u64> = reference["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
     assert_eq!(greedy, want_ids);
 }

@@ -1,0 +1,203 @@
+//! `bot bench`: load time, prefill and decode speed (medians of repeats after a warm-up), peak
+//! resident memory, bytes of weights read per decoded token and the bandwidth that implies, and
+//! where a decode step's time goes. Prints a table, or one JSON object with `--json`.
+
+use std::time::Instant;
+
+use anyhow::Context;
+use serde::Serialize;
+
+use crate::cli::BenchArgs;
+use crate::debug::{init_threads, kernel};
+use crate::engine::{self, device, profile, synthetic, ModelOptions, Qwen3};
+
+#[derive(Serialize)]
+pub struct Report {
+    pub model: String,
+    pub device: String,
+    pub kernel: String,
+    pub threads: usize,
+    pub lora: bool,
+    pub load_s: f64,
+    pub prompt_tokens: usize,
+    pub gen_tokens: usize,
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
+    pub peak_rss_bytes: u64,
+    pub weight_bytes_per_token: usize,
+    pub decode_bandwidth_gb_s: f64,
+    /// Share of decode time per part (same order as `engine::profile::PARTS`), rest last.
+    pub decode_time_split: Vec<(String, f64)>,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Peak resident set size of this process so far, in bytes.
+pub fn peak_rss_bytes() -> u64 {
+    // SAFETY: getrusage writes into the struct we pass and reads nothing else.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return 0;
+    }
+    let v = ru.ru_maxrss as u64;
+    if cfg!(target_os = "macos") {
+        v // bytes on macOS
+    } else {
+        v * 1024 // KiB on Linux
+    }
+}
+
+pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    init_threads(args.threads);
+    if let (Some(shape), Some(dir)) = (args.synthetic, &args.save) {
+        let t = Instant::now();
+        synthetic::save(shape, args.seed, dir, args.tokenizer_dir.as_deref())?;
+        if args.tokenizer_dir.is_none() {
+            eprintln!(
+                "note: no --tokenizer-dir given: {} has no tokenizer files",
+                dir.display()
+            );
+        }
+        eprintln!(
+            "wrote {} in {:.1} s",
+            dir.display(),
+            t.elapsed().as_secs_f64()
+        );
+        return Ok(());
+    }
+    let dev = device::select(args.device)?;
+    let opts = ModelOptions {
+        device: dev.clone(),
+        kernel: kernel(args.kernel),
+    };
+    let (mut model, load_s, name) = if let Some(dir) = &args.model {
+        let t = Instant::now();
+        let adapter = match (&args.adapter, args.synthetic_lora) {
+            (Some(a), _) => Some(engine::Adapter::load(a, &dev)?),
+            (None, true) => {
+                let cfg = engine::Qwen3Config::from_dir(dir)?;
+                Some(synthetic::lora(&cfg, args.seed, &dev)?)
+            }
+            _ => None,
+        };
+        let cfg = engine::Qwen3Config::from_dir(dir)?;
+        let store = engine::WeightStore::open_dir(dir)?;
+        let m = Qwen3::new(cfg, &store, adapter, &opts)
+            .with_context(|| format!("loading {}", dir.display()))?;
+        (m, t.elapsed().as_secs_f64(), dir.display().to_string())
+    } else {
+        let shape = args
+            .synthetic
+            .context("--model or --synthetic is required")?;
+        let t = Instant::now();
+        let (cfg, store) = synthetic::build(shape, args.seed)?;
+        eprintln!("built random weights in {:.1} s", t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        let adapter = match (&args.adapter, args.synthetic_lora) {
+            (Some(a), _) => Some(engine::Adapter::load(a, &dev)?),
+            (None, true) => Some(synthetic::lora(&cfg, args.seed, &dev)?),
+            _ => None,
+        };
+        let m = Qwen3::new(cfg, &store, adapter, &opts)?;
+        (m, t.elapsed().as_secs_f64(), format!("synthetic {shape:?}"))
+    };
+    let vocab = model.cfg.vocab_size.min(151_643) as u64;
+    let prompt: Vec<u32> = (0..args.prompt_tokens as u64)
+        .map(|i| ((i.wrapping_mul(2_654_435_761) ^ args.seed) % vocab) as u32)
+        .collect();
+
+    // Returns prefill seconds, decode seconds and the profile counters of the decode phase.
+    let step = |m: &mut Qwen3, gen: usize| -> anyhow::Result<(f64, f64, [f64; 4])> {
+        m.reset();
+        let t = Instant::now();
+        let mut logits = m.next_logits(&prompt)?;
+        let prefill = t.elapsed().as_secs_f64();
+        profile::reset();
+        let t = Instant::now();
+        for _ in 0..gen {
+            let id = Qwen3::argmax(&logits);
+            logits = m.next_logits(&[id])?;
+        }
+        Ok((prefill, t.elapsed().as_secs_f64(), profile::snapshot()))
+    };
+    step(&mut model, args.gen_tokens.min(8))?; // warm-up: page in weights, size buffers
+    let (mut pre, mut dec) = (Vec::new(), Vec::new());
+    let (mut decode_total, mut parts) = (0.0, [0.0; 4]);
+    for _ in 0..args.repeats.max(1) {
+        let (p, d, prof) = step(&mut model, args.gen_tokens)?;
+        pre.push(args.prompt_tokens as f64 / p);
+        dec.push(args.gen_tokens as f64 / d);
+        decode_total += d;
+        parts.iter_mut().zip(prof).for_each(|(a, b)| *a += b);
+    }
+    let mut split: Vec<(String, f64)> = profile::PARTS
+        .iter()
+        .zip(parts)
+        .map(|((_, n), s)| (n.to_string(), s / decode_total))
+        .collect();
+    let rest = 1.0 - split.iter().map(|(_, f)| f).sum::<f64>();
+    split.push((
+        "everything else (embedding, norms, residuals, candle overhead)".into(),
+        rest,
+    ));
+    let decode_tok_s = median(dec);
+    let bytes = model.weight_bytes_per_token();
+    let report = Report {
+        model: name,
+        device: format!("{dev:?}"),
+        kernel: format!("{:?}", args.kernel).to_lowercase(),
+        threads: rayon::current_num_threads(),
+        lora: args.adapter.is_some() || args.synthetic_lora,
+        load_s,
+        prompt_tokens: args.prompt_tokens,
+        gen_tokens: args.gen_tokens,
+        prefill_tok_s: median(pre),
+        decode_tok_s,
+        peak_rss_bytes: peak_rss_bytes(),
+        weight_bytes_per_token: bytes,
+        decode_bandwidth_gb_s: bytes as f64 * decode_tok_s / 1e9,
+        decode_time_split: split,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print_table(&report);
+    }
+    Ok(())
+}
+
+fn print_table(r: &Report) {
+    println!("model            {}", r.model);
+    println!(
+        "device           {} ({} threads, {} kernel{})",
+        r.device,
+        r.threads,
+        r.kernel,
+        if r.lora { ", LoRA" } else { "" }
+    );
+    println!("load             {:.3} s", r.load_s);
+    println!(
+        "prefill          {:.1} tok/s ({} tokens)",
+        r.prefill_tok_s, r.prompt_tokens
+    );
+    println!(
+        "decode           {:.2} tok/s ({} tokens)",
+        r.decode_tok_s, r.gen_tokens
+    );
+    println!(
+        "peak RSS         {:.1} MiB",
+        r.peak_rss_bytes as f64 / (1 << 20) as f64
+    );
+    println!(
+        "weights/token    {:.1} MB -> {:.1} GB/s",
+        r.weight_bytes_per_token as f64 / 1e6,
+        r.decode_bandwidth_gb_s
+    );
+    println!("decode time split:");
+    for (name, f) in &r.decode_time_split {
+        println!("  {:5.1}%  {name}", 100.0 * f);
+    }
+}

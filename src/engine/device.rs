@@ -1,0 +1,49 @@
+//! The one place that picks the compute device. A backend that was not compiled in fails with
+//! a message naming the cargo feature to enable.
+
+use candle_core::Device;
+
+use super::error::{EngineError, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum DeviceKind {
+    /// Metal on a Mac when built with it, else CUDA when built with it and a GPU is present, else CPU
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+    Metal,
+}
+
+pub fn select(kind: DeviceKind) -> Result<Device> {
+    match kind {
+        DeviceKind::Cpu => Ok(Device::Cpu),
+        DeviceKind::Cuda => cuda(),
+        DeviceKind::Metal => metal(),
+        DeviceKind::Auto => Ok(metal().or_else(|_| cuda()).unwrap_or(Device::Cpu)),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda() -> Result<Device> {
+    Ok(Device::new_cuda(0)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda() -> Result<Device> {
+    Err(EngineError::Invalid(
+        "this `bot` was built without CUDA support: rebuild with `cargo build --release --features cuda`".into(),
+    ))
+}
+
+#[cfg(feature = "metal")]
+fn metal() -> Result<Device> {
+    Ok(Device::new_metal(0)?)
+}
+
+#[cfg(not(feature = "metal"))]
+fn metal() -> Result<Device> {
+    Err(EngineError::Invalid(
+        "this `bot` was built without Metal support: rebuild with `cargo build --release --features metal`".into(),
+    ))
+}
