@@ -287,3 +287,50 @@ fn fast_kernel_matches_mlx_on_4bit_variants() {
         }
     }
 }
+
+/// A model split over two shards with `model.safetensors.index.json` (as large mlx_lm
+/// models are) loads and computes the same logits as the single file.
+#[test]
+fn sharded_model_equals_single_file() {
+    use bot::engine::weights::{plan_safetensors, SafetensorsFile};
+    let v = "q4g64";
+    let src = fixtures().join(v);
+    let tmp = tempfile::tempdir().unwrap();
+    for f in ["config.json", "generation_config.json"] {
+        std::fs::copy(src.join(f), tmp.path().join(f)).unwrap();
+    }
+    let file = SafetensorsFile::open(&src.join("model.safetensors")).unwrap();
+    let names: Vec<&String> = file.tensors.keys().collect();
+    let mut weight_map = serde_json::Map::new();
+    for (shard, part) in names.chunks(names.len() / 2 + 1).enumerate() {
+        let shard_name = format!("model-0000{}-of-00002.safetensors", shard + 1);
+        let list: Vec<_> = part
+            .iter()
+            .map(|n| {
+                let t = file.get(n).unwrap();
+                ((*n).clone(), t.dtype, t.shape.clone())
+            })
+            .collect();
+        let plan = plan_safetensors(&list);
+        let mut buf = vec![0u8; plan.bytes_total];
+        buf[..plan.header.len()].copy_from_slice(&plan.header);
+        for ((n, _, _), r) in list.iter().zip(&plan.ranges) {
+            buf[r.clone()].copy_from_slice(&file.get(n).unwrap().bytes);
+            weight_map.insert(n.clone(), shard_name.clone().into());
+        }
+        std::fs::write(tmp.path().join(&shard_name), buf).unwrap();
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(
+        tmp.path().join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
+    let ids = Reference::open(v).prompt_ids();
+    let opts = ModelOptions::default();
+    let mut sharded = engine::load(tmp.path(), None, &opts).unwrap();
+    let mut single = load(v, false, CpuKernel::Exact);
+    let a = to_vec(&sharded.forward(&ids, true, false).unwrap().logits);
+    let b = to_vec(&single.forward(&ids, true, false).unwrap().logits);
+    assert_eq!(a, b);
+}
