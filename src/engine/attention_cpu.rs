@@ -44,6 +44,29 @@ fn norm_rope(x: &mut [f32], w: &[f32], eps: f32, cos: &[f32], sin: &[f32]) {
     }
 }
 
+/// `norm_rope` on every head of `x` (L, heads*D), token t taking row t of `cos`/`sin`.
+fn norm_rope_rows(
+    x: &mut [f32],
+    heads: usize,
+    hd: usize,
+    w: &[f32],
+    eps: f32,
+    cos: &[f32],
+    sin: &[f32],
+) {
+    let half = hd / 2;
+    for (row, head) in x.chunks_exact_mut(hd).enumerate() {
+        let t = row / heads;
+        norm_rope(
+            head,
+            w,
+            eps,
+            &cos[t * half..(t + 1) * half],
+            &sin[t * half..(t + 1) * half],
+        );
+    }
+}
+
 /// One attention step for `l` new tokens at cache position `offset`. `q` is (L, Hq*D), `k` and
 /// `v` (L, Hkv*D); `cos`/`sin` (L, D/2). Appends k/v to `kv`; returns (L, Hq*D).
 #[allow(clippy::too_many_arguments)]
@@ -60,27 +83,8 @@ pub fn attend(
 ) -> Vec<f32> {
     let (nh, nkv, hd) = (d.n_heads, d.n_kv, d.head_dim);
     let l = q.len() / (nh * hd);
-    let half = hd / 2;
-    for (row, head) in q.chunks_exact_mut(hd).enumerate() {
-        let t = row / nh;
-        norm_rope(
-            head,
-            q_norm,
-            d.eps,
-            &cos[t * half..(t + 1) * half],
-            &sin[t * half..(t + 1) * half],
-        );
-    }
-    for (row, head) in k.chunks_exact_mut(hd).enumerate() {
-        let t = row / nkv;
-        norm_rope(
-            head,
-            k_norm,
-            d.eps,
-            &cos[t * half..(t + 1) * half],
-            &sin[t * half..(t + 1) * half],
-        );
-    }
+    norm_rope_rows(&mut q, nh, hd, q_norm, d.eps, cos, sin);
+    norm_rope_rows(&mut k, nkv, hd, k_norm, d.eps, cos, sin);
     let offset = kv.k.len() / (nkv * hd);
     kv.k.extend_from_slice(&k);
     kv.v.extend_from_slice(v);
