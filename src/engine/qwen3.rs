@@ -180,13 +180,17 @@ fn rms_norm_weight(store: &WeightStore, name: &str, dim: usize, dev: &Device) ->
     t.to_candle_f32(dev)
 }
 
-/// cos/sin of the half-split RoPE for positions `offset..offset+len`: (len, head_dim/2).
-fn rope_tables(
-    cfg: &Qwen3Config,
-    offset: usize,
-    len: usize,
-    dev: &Device,
-) -> Result<(Tensor, Tensor)> {
+/// cos/sin of the half-split RoPE for the positions of one forward pass, (L, head_dim/2), as
+/// tensors for the candle-op attention and as host slices for `attention_cpu`.
+struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+    cos_host: Vec<f32>,
+    sin_host: Vec<f32>,
+}
+
+/// The tables for positions `offset..offset+len`, built once per forward for all layers.
+fn rope_tables(cfg: &Qwen3Config, offset: usize, len: usize, dev: &Device) -> Result<Rope> {
     let half = cfg.head_dim / 2;
     let mut cos = Vec::with_capacity(len * half);
     let mut sin = Vec::with_capacity(len * half);
@@ -198,10 +202,12 @@ fn rope_tables(
             sin.push(angle.sin() as f32);
         }
     }
-    Ok((
-        Tensor::from_vec(cos, (len, half), dev)?,
-        Tensor::from_vec(sin, (len, half), dev)?,
-    ))
+    Ok(Rope {
+        cos: Tensor::from_vec(cos.clone(), (len, half), dev)?,
+        sin: Tensor::from_vec(sin.clone(), (len, half), dev)?,
+        cos_host: cos,
+        sin_host: sin,
+    })
 }
 
 pub struct Attention {
@@ -256,14 +262,8 @@ impl Attention {
         })
     }
 
-    /// x: (L, H); cos/sin: (L, D/2); mask: (L, T) additive or None for L == 1.
-    fn forward(
-        &mut self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
+    /// x: (L, H); rope: (L, D/2) tables; mask: (L, T) additive or None for L == 1.
+    fn forward(&mut self, x: &Tensor, rope: &Rope, mask: Option<&Tensor>) -> Result<Tensor> {
         let l = x.dim(0)?;
         let (nh, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
         let q = self.q_proj.forward(x)?.reshape((l, nh, hd))?; // (L, Hq, D)
@@ -278,7 +278,6 @@ impl Attention {
                 eps: self.eps,
             };
             let flat = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
-            let (cos_h, sin_h) = (flat(cos)?, flat(sin)?);
             let out = attention_cpu::attend(
                 &dims,
                 flat(&q)?,
@@ -286,8 +285,8 @@ impl Attention {
                 &flat(&v)?,
                 &self.q_norm_host,
                 &self.k_norm_host,
-                &cos_h,
-                &sin_h,
+                &rope.cos_host,
+                &rope.sin_host,
                 &mut self.host_kv,
             );
             let out = Tensor::from_vec(out, (l, nh * hd), q.device())?;
@@ -299,8 +298,8 @@ impl Attention {
         let k = candle_nn::ops::rms_norm(&k, &self.k_norm, self.eps)?;
         let q = q.transpose(0, 1)?.contiguous()?.unsqueeze(0)?; // (1, Hq, L, D)
         let k = k.transpose(0, 1)?.contiguous()?.unsqueeze(0)?; // (1, Hkv, L, D)
-        let q = candle_nn::rotary_emb::rope(&q, cos, sin)?.squeeze(0)?; // (Hq, L, D)
-        let k = candle_nn::rotary_emb::rope(&k, cos, sin)?.squeeze(0)?; // (Hkv, L, D)
+        let q = candle_nn::rotary_emb::rope(&q, &rope.cos, &rope.sin)?.squeeze(0)?; // (Hq, L, D)
+        let k = candle_nn::rotary_emb::rope(&k, &rope.cos, &rope.sin)?.squeeze(0)?; // (Hkv, L, D)
         let v = v.transpose(0, 1)?.contiguous()?; // (Hkv, L, D)
         let (k, v) = self.kv.append(&k, &v)?; // (Hkv, T, D)
         let (k, v) = (k.contiguous()?, v.contiguous()?);
@@ -391,15 +390,9 @@ impl DecoderLayer {
         })
     }
 
-    fn forward(
-        &mut self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
+    fn forward(&mut self, x: &Tensor, rope: &Rope, mask: Option<&Tensor>) -> Result<Tensor> {
         let h = candle_nn::ops::rms_norm(x, &self.input_layernorm, self.eps)?;
-        let h = (x + self.self_attn.forward(&h, cos, sin, mask)?)?;
+        let h = (x + self.self_attn.forward(&h, rope, mask)?)?;
         let m = candle_nn::ops::rms_norm(&h, &self.post_attention_layernorm, self.eps)?;
         Ok((h + self.mlp.forward(&m)?)?)
     }
@@ -529,7 +522,7 @@ impl Qwen3 {
             ));
         }
         let mut x = self.embed_tokens.forward(ids)?.to_device(&self.device)?; // (L, H)
-        let (cos, sin) = rope_tables(&self.cfg, self.offset, l, &self.device)?;
+        let rope = rope_tables(&self.cfg, self.offset, l, &self.device)?;
         let t = self.offset + l;
         let mask = if l > 1 {
             let off = self.offset;
@@ -547,7 +540,7 @@ impl Qwen3 {
             hidden.push(x.clone());
         }
         for layer in &mut self.layers {
-            x = layer.forward(&x, &cos, &sin, mask.as_ref())?;
+            x = layer.forward(&x, &rope, mask.as_ref())?;
             if keep_hidden {
                 hidden.push(x.clone());
             }

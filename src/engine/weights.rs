@@ -211,10 +211,6 @@ pub struct HostTensor {
 }
 
 impl HostTensor {
-    pub fn numel(&self) -> usize {
-        self.shape.iter().product()
-    }
-
     fn err(&self, why: impl Into<String>) -> EngineError {
         EngineError::BadTensor {
             path: self.path.clone(),
@@ -416,10 +412,6 @@ impl WeightStore {
         }
     }
 
-    pub fn contains(&self, name: &str) -> bool {
-        self.index.contains_key(name)
-    }
-
     pub fn get(&self, name: &str) -> Option<HostTensor> {
         self.index.get(name).and_then(|&i| self.files[i].get(name))
     }
@@ -430,10 +422,6 @@ impl WeightStore {
             name: name.to_string(),
             hint: format!("{} tensors present", self.index.len()),
         })
-    }
-
-    pub fn names(&self) -> impl Iterator<Item = &String> {
-        self.index.keys()
     }
 }
 
