@@ -14,12 +14,23 @@ use crate::engine::synthetic::Shape;
     about = "Write short posts in your voice with a local LoRA-tuned Qwen3"
 )]
 pub struct Cli {
+    /// Config file (default: BOT_HOME/config.toml, else the platform config dir's bot/config.toml)
+    #[arg(long, global = true)]
+    pub config: Option<PathBuf>,
+    /// Named bot from the config's [profiles.NAME] (also BOT_PROFILE): its own model, account and state
+    #[arg(long, global = true)]
+    pub profile: Option<String>,
     #[command(subcommand)]
     pub command: Command,
 }
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Write posts and print them (stdout carries only the posts).
+    Generate(GenerateArgs),
+    /// Inspect the effective configuration.
+    #[command(subcommand)]
+    Config(ConfigCommand),
     /// Measure load time, prefill and decode speed, memory and bandwidth.
     Bench(BenchArgs),
     /// Developer tools: check that a model is loaded right.
@@ -28,16 +39,107 @@ pub enum Command {
 }
 
 #[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Print every setting with where it came from (secrets masked).
+    Show,
+}
+
+/// Model and run-time choices shared by the commands that load a model.
+#[derive(Debug, Args, Clone, Default)]
+pub struct ModelArgs {
+    /// mlx_lm model directory or Hugging Face repo id [default: lmstudio-community/Qwen3-8B-MLX-4bit]
+    #[arg(long)]
+    pub model: Option<String>,
+    /// mlx_lm LoRA adapter directory or Hugging Face repo id [default: DATA_DIR/adapter if present]
+    #[arg(long)]
+    pub adapter: Option<String>,
+    /// Run the base model even when an adapter is configured
+    #[arg(long, conflicts_with = "adapter")]
+    pub no_adapter: bool,
+    /// auto, cpu, cuda or metal [default: auto]
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Worker threads (default: all cores)
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// CPU kernel for the quantized matmuls
+    #[arg(long, value_enum, default_value_t = KernelArg::Fast)]
+    pub kernel: KernelArg,
+}
+
+/// How posts are written.
+#[derive(Debug, Args, Clone, Default)]
+pub struct SamplingArgs {
+    /// An instruction to use instead of one picked from the prompt list
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// A prompt list file (one instruction per line) instead of the shipped one
+    #[arg(long)]
+    pub prompts: Option<PathBuf>,
+    /// A system turn before the instruction
+    #[arg(long)]
+    pub system: Option<String>,
+    /// 0 is greedy [default: 0.95]
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    /// Nucleus sampling; 0 or 1 turns it off [default: 0.9]
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    /// [default: 0, off]
+    #[arg(long)]
+    pub min_p: Option<f32>,
+    /// [default: 0, off]
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// mlx_lm's repetition penalty over the last 20 tokens [default: off]
+    #[arg(long)]
+    pub repetition_penalty: Option<f32>,
+    /// Seed of the first post (post i uses SEED+i); default: random, printed with --json
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// [default: 280]
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
+    /// Outputs shorter than this (grapheme clusters, after cleaning) are regenerated [default: 30]
+    #[arg(long)]
+    pub min_chars: Option<usize>,
+    /// Generations per post before giving up [default: 5]
+    #[arg(long)]
+    pub attempts: Option<usize>,
+}
+
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// Number of posts
+    #[arg(short = 'n', long = "count", default_value_t = 1)]
+    pub count: usize,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// One JSON object per post per line (text, raw, prompt, seed, tokens, attempts, timings)
+    #[arg(long)]
+    pub json: bool,
+    /// Separate posts with NUL bytes instead of a line holding only "---"
+    #[arg(short = 'z', long, conflicts_with = "json")]
+    pub null: bool,
+    /// No progress or timings on stderr
+    #[arg(short, long)]
+    pub quiet: bool,
+}
+
+#[derive(Debug, Subcommand)]
 pub enum DebugCommand {
     /// Run token ids through the model and print {"last_logits": [...], "greedy_ids": [...]}.
     Forward(ForwardArgs),
 }
 
-#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq, Default)]
 pub enum KernelArg {
     /// f32 activations: bit-for-bit the arithmetic the mlx_lm fixtures are checked with
     Exact,
     /// 15-bit integer activations with AVX2 integer dot products (4-bit weights)
+    #[default]
     Fast,
     /// 8-bit integer activations (4-bit weights): fastest, least exact
     Int8,

@@ -4,5 +4,9 @@
 
 pub mod bench;
 pub mod cli;
+pub mod commands;
 pub mod debug;
 pub mod engine;
+pub mod generate;
+pub mod hub;
+pub mod settings;

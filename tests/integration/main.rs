@@ -5,3 +5,5 @@ mod bad_input;
 mod cli;
 mod common;
 mod engine_vs_mlx;
+mod generate;
+mod hub;

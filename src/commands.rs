@@ -1,0 +1,206 @@
+//! The user-facing commands' glue: settings → model → posts on stdout, diagnostics on stderr.
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::ValueEnum;
+
+use crate::cli::{GenerateArgs, ModelArgs, SamplingArgs};
+use crate::debug::{init_threads, kernel};
+use crate::engine::device::{self, DeviceKind};
+use crate::engine::ModelOptions;
+use crate::generate::sampler::SamplerConfig;
+use crate::generate::{self, Event, Generator, Post, PostRequest};
+use crate::hub::{self, HubEnv, Kind};
+use crate::settings::{Overrides, Settings};
+
+/// The process environment as the settings layer sees it.
+pub fn process_env(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+pub fn overrides(m: &ModelArgs, s: &SamplingArgs) -> Overrides {
+    Overrides {
+        model: m.model.clone(),
+        adapter: m.adapter.clone(),
+        prompts: s.prompts.clone(),
+        system: s.system.clone(),
+        temperature: s.temperature,
+        top_p: s.top_p,
+        min_p: s.min_p,
+        top_k: s.top_k,
+        repetition_penalty: s.repetition_penalty,
+        max_tokens: s.max_tokens,
+        min_chars: s.min_chars,
+        attempts: s.attempts,
+        device: m.device.clone(),
+        threads: m.threads,
+        ..Overrides::default()
+    }
+}
+
+pub fn load_settings(
+    config: Option<&Path>,
+    profile: Option<&str>,
+    o: &Overrides,
+) -> anyhow::Result<Settings> {
+    Ok(Settings::load(config, profile, o, &process_env)?)
+}
+
+/// Loads the model (and adapter) the settings name, fetching them from the Hub if needed.
+pub fn load_generator(
+    settings: &Settings,
+    m: &ModelArgs,
+    verbose: bool,
+) -> anyhow::Result<(Generator, String)> {
+    init_threads(settings.threads.value);
+    let env = HubEnv::from_env();
+    let progress = verbose && std::io::stderr().is_terminal();
+    let model_dir = hub::resolve(&settings.model.value, Kind::Model, &env, verbose, progress)?;
+    let adapter_dir: Option<PathBuf> = match (&settings.adapter.value, m.no_adapter) {
+        (Some(a), false) => Some(hub::resolve(a, Kind::Adapter, &env, verbose, progress)?),
+        _ => None,
+    };
+    let kind = DeviceKind::from_str(&settings.device.value, true).map_err(|_| {
+        anyhow::anyhow!(
+            "invalid device {:?} (from {}): expected auto, cpu, cuda or metal",
+            settings.device.value,
+            settings.device.source
+        )
+    })?;
+    let opts = ModelOptions {
+        device: device::select(kind)?,
+        kernel: kernel(m.kernel),
+    };
+    let t = Instant::now();
+    let generator = Generator::load(&model_dir, adapter_dir.as_deref(), &opts)
+        .with_context(|| format!("loading model {}", model_dir.display()))?;
+    let label = match &adapter_dir {
+        Some(a) => format!("{} + adapter {}", settings.model.value, a.display()),
+        None => format!("{} (no adapter)", settings.model.value),
+    };
+    if verbose {
+        eprintln!(
+            "loaded {label} in {:.2} s on {}",
+            t.elapsed().as_secs_f64(),
+            if opts.device.is_cpu() { "cpu" } else { "gpu" }
+        );
+    }
+    Ok((generator, label))
+}
+
+pub fn post_request(
+    settings: &Settings,
+    s: &SamplingArgs,
+    seed: u64,
+) -> anyhow::Result<PostRequest> {
+    Ok(PostRequest {
+        prompt: s.prompt.clone(),
+        prompts: generate::load_prompts(settings.prompts.value.as_deref())?,
+        system: settings.system.value.clone(),
+        sampler: SamplerConfig {
+            temperature: settings.temperature.value,
+            top_p: settings.top_p.value,
+            min_p: settings.min_p.value,
+            top_k: settings.top_k.value,
+            repetition_penalty: settings.repetition_penalty.value,
+            repetition_context: 20,
+        },
+        seed,
+        max_tokens: settings.max_tokens.value,
+        min_chars: settings.min_chars.value,
+        attempts: settings.attempts.value,
+    })
+}
+
+/// A spinner on a terminal's stderr while a post is being written.
+pub struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+}
+
+impl Progress {
+    pub fn new(enabled: bool) -> Self {
+        let bar = (enabled && std::io::stderr().is_terminal()).then(|| {
+            let b = indicatif::ProgressBar::new_spinner();
+            b.enable_steady_tick(std::time::Duration::from_millis(120));
+            b
+        });
+        Progress { bar }
+    }
+
+    pub fn event(&self, label: &str, e: &Event) {
+        if let Some(b) = &self.bar {
+            match e {
+                Event::Attempt { attempt } => b.set_message(format!("{label}: attempt {attempt}")),
+                Event::Token { count, .. } => b.set_message(format!("{label}: {count} tokens")),
+            }
+        }
+    }
+
+    pub fn finish(&self) {
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
+        }
+    }
+}
+
+pub fn report_post(p: &Post, i: usize, n: usize) {
+    eprintln!(
+        "post {}/{}: {} prompt tokens at {:.1} tok/s, {} tokens at {:.1} tok/s, {} attempt(s), seed {}",
+        i + 1,
+        n,
+        p.prompt_tokens,
+        p.prefill_tok_s,
+        p.tokens,
+        p.decode_tok_s,
+        p.attempts,
+        p.seed
+    );
+}
+
+pub fn generate(
+    config: Option<&Path>,
+    profile: Option<&str>,
+    args: &GenerateArgs,
+) -> anyhow::Result<()> {
+    let settings = load_settings(config, profile, &overrides(&args.model, &args.sampling))?;
+    let verbose = !args.quiet;
+    let (mut generator, _) = load_generator(&settings, &args.model, verbose)?;
+    let base_seed = args
+        .sampling
+        .seed
+        .unwrap_or_else(|| rand::random::<u32>() as u64);
+    let progress = Progress::new(verbose);
+    let mut out = std::io::stdout().lock();
+    for i in 0..args.count {
+        let req = post_request(&settings, &args.sampling, base_seed.wrapping_add(i as u64))?;
+        let label = format!("post {}/{}", i + 1, args.count);
+        let post = generator.post(&req, &mut |e| progress.event(&label, &e));
+        progress.finish();
+        let post = post?;
+        if verbose {
+            report_post(&post, i, args.count);
+        }
+        if args.json {
+            writeln!(out, "{}", serde_json::to_string(&post)?)?;
+        } else if args.null {
+            write!(out, "{}\0", post.text)?;
+        } else {
+            if i > 0 {
+                writeln!(out, "---")?;
+            }
+            writeln!(out, "{}", post.text)?;
+        }
+        out.flush()?;
+    }
+    Ok(())
+}
+
+pub fn config_show(config: Option<&Path>, profile: Option<&str>) -> anyhow::Result<()> {
+    let settings = load_settings(config, profile, &Overrides::default())?;
+    let pw = process_env("BOT_BSKY_APP_PASSWORD").is_some_and(|s| !s.is_empty());
+    print!("{}", settings.render(pw));
+    Ok(())
+}

@@ -1,0 +1,235 @@
+//! Prompt → post: ChatML prompt, token loop with the KV cache and mlx_lm-order sampling,
+//! incremental detokenization, then pure post-processing to Bluesky's limits; too-short
+//! results are regenerated a bounded number of times and never replaced by a placeholder.
+
+pub mod chat;
+pub mod postprocess;
+pub mod sampler;
+
+use std::path::Path;
+use std::time::Instant;
+
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+
+use crate::engine::{self, ModelOptions, Qwen3};
+use chat::{ChatTokenizer, TextStream, TokenizerError};
+use sampler::{Sampler, SamplerConfig};
+
+/// The shipped instructions (`prompts/default.txt`), one per line.
+pub const DEFAULT_PROMPTS: &str = include_str!("../../prompts/default.txt");
+
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    #[error(transparent)]
+    Engine(#[from] engine::EngineError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(
+        "no usable post after {attempts} attempts: every output was shorter than {min_chars} \
+         characters after cleaning (last one: {last_len}). Try a higher --max-tokens, a lower \
+         --min-chars, or another prompt"
+    )]
+    TooShort {
+        attempts: usize,
+        min_chars: usize,
+        last_len: usize,
+    },
+    #[error("prompt list {path} has no instructions (one per line; '#' starts a comment)")]
+    EmptyPrompts { path: String },
+    #[error("cannot read prompt list {path}: {source}")]
+    ReadPrompts {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("invalid sampling settings: {0}")]
+    Sampling(String),
+}
+
+/// Instructions from a prompt list: non-empty lines, `#` comments skipped.
+pub fn parse_prompts(text: &str) -> Vec<String> {
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(str::to_string)
+        .collect()
+}
+
+pub fn load_prompts(file: Option<&Path>) -> Result<Vec<String>, GenerateError> {
+    let (text, name) = match file {
+        Some(p) => (
+            std::fs::read_to_string(p).map_err(|e| GenerateError::ReadPrompts {
+                path: p.display().to_string(),
+                source: e,
+            })?,
+            p.display().to_string(),
+        ),
+        None => (DEFAULT_PROMPTS.to_string(), "prompts/default.txt".into()),
+    };
+    let list = parse_prompts(&text);
+    if list.is_empty() {
+        return Err(GenerateError::EmptyPrompts { path: name });
+    }
+    Ok(list)
+}
+
+/// What one post needs besides the model.
+#[derive(Debug, Clone)]
+pub struct PostRequest {
+    /// A fixed instruction, else one is picked from `prompts` with the seed.
+    pub prompt: Option<String>,
+    pub prompts: Vec<String>,
+    pub system: Option<String>,
+    pub sampler: SamplerConfig,
+    pub seed: u64,
+    pub max_tokens: usize,
+    pub min_chars: usize,
+    pub attempts: usize,
+}
+
+/// One finished post with what made it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Post {
+    pub text: String,
+    /// Model output of the accepted attempt, before cleaning.
+    pub raw: String,
+    pub prompt: String,
+    pub seed: u64,
+    /// Tokens generated in the accepted attempt.
+    pub tokens: usize,
+    pub attempts: usize,
+    pub prompt_tokens: usize,
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
+    pub seconds: f64,
+    /// Whether the accepted attempt ended at an EOS token (else at --max-tokens).
+    pub finished: bool,
+}
+
+/// Progress events for a terminal indicator.
+pub enum Event<'a> {
+    Attempt { attempt: usize },
+    Token { count: usize, text: &'a str },
+}
+
+pub struct Generator {
+    pub model: Qwen3,
+    pub tokenizer: ChatTokenizer,
+}
+
+struct Completion {
+    raw: String,
+    tokens: usize,
+    prompt_tokens: usize,
+    prefill_s: f64,
+    decode_s: f64,
+    finished: bool,
+}
+
+impl Generator {
+    pub fn load(
+        model_dir: &Path,
+        adapter_dir: Option<&Path>,
+        opts: &ModelOptions,
+    ) -> Result<Self, GenerateError> {
+        let model = engine::load(model_dir, adapter_dir, opts)?;
+        let tokenizer = ChatTokenizer::load(model_dir, &model.cfg.eos_token_ids)?;
+        Ok(Generator { model, tokenizer })
+    }
+
+    fn complete(
+        &mut self,
+        prompt_ids: &[u32],
+        sampler: &mut Sampler,
+        max_tokens: usize,
+        on_event: &mut dyn FnMut(Event),
+    ) -> Result<Completion, GenerateError> {
+        self.model.reset();
+        let t0 = Instant::now();
+        let mut logits = self.model.next_logits(prompt_ids)?;
+        let prefill_s = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        let mut history = prompt_ids.to_vec();
+        let mut stream = TextStream::new(&self.tokenizer);
+        let mut shown = String::new();
+        let mut generated = 0;
+        let mut finished = false;
+        while generated < max_tokens {
+            let id = sampler.sample(&logits, &history);
+            if self.tokenizer.is_eos(id) {
+                finished = true;
+                break;
+            }
+            history.push(id);
+            generated += 1;
+            if let Some(piece) = stream.push(id)? {
+                shown.push_str(&piece);
+            }
+            on_event(Event::Token {
+                count: generated,
+                text: &shown,
+            });
+            if generated < max_tokens {
+                logits = self.model.next_logits(&[id])?;
+            }
+        }
+        Ok(Completion {
+            raw: stream.text()?,
+            tokens: generated,
+            prompt_tokens: prompt_ids.len(),
+            prefill_s,
+            decode_s: t1.elapsed().as_secs_f64(),
+            finished,
+        })
+    }
+
+    /// One post: picks the instruction with the seed, generates, cleans, and regenerates
+    /// while the cleaned text is shorter than `min_chars`, up to `attempts` times. The seed
+    /// alone decides the result, so `--seed <post's seed> -n 1` reproduces a post.
+    pub fn post(
+        &mut self,
+        req: &PostRequest,
+        on_event: &mut dyn FnMut(Event),
+    ) -> Result<Post, GenerateError> {
+        req.sampler.validate().map_err(GenerateError::Sampling)?;
+        use rand::SeedableRng;
+        let mut rng = ChaCha8Rng::seed_from_u64(req.seed);
+        let prompt = match &req.prompt {
+            Some(p) => p.clone(),
+            None => req.prompts[rng.random_range(0..req.prompts.len())].clone(),
+        };
+        let prompt_ids = self
+            .tokenizer
+            .encode(&chat::render(req.system.as_deref(), &prompt))?;
+        let mut sampler = Sampler::new(req.sampler.clone(), rng.random());
+        let start = Instant::now();
+        let mut last_len = 0;
+        for attempt in 1..=req.attempts.max(1) {
+            on_event(Event::Attempt { attempt });
+            let c = self.complete(&prompt_ids, &mut sampler, req.max_tokens, on_event)?;
+            let text = postprocess::clean_post(&c.raw);
+            last_len = postprocess::grapheme_count(&text);
+            if last_len >= req.min_chars.max(1) {
+                return Ok(Post {
+                    text,
+                    raw: c.raw,
+                    prompt,
+                    seed: req.seed,
+                    tokens: c.tokens,
+                    attempts: attempt,
+                    prompt_tokens: c.prompt_tokens,
+                    prefill_tok_s: c.prompt_tokens as f64 / c.prefill_s.max(1e-9),
+                    decode_tok_s: c.tokens as f64 / c.decode_s.max(1e-9),
+                    seconds: start.elapsed().as_secs_f64(),
+                    finished: c.finished,
+                });
+            }
+        }
+        Err(GenerateError::TooShort {
+            attempts: req.attempts.max(1),
+            min_chars: req.min_chars,
+            last_len,
+        })
+    }
+}
