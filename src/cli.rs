@@ -28,6 +28,14 @@ pub struct Cli {
 pub enum Command {
     /// Write posts and print them (stdout carries only the posts).
     Generate(GenerateArgs),
+    /// Publish a post to Bluesky: generated, or --text; --dry-run shows the exact record.
+    Post(PostArgs),
+    /// Delete one of the account's posts: an at:// URI, or `last` (the newest in local history).
+    Delete(DeleteArgs),
+    /// Log in (or reuse the cached session) and print the account.
+    Whoami(AccountArgs),
+    /// Add the `bot` self-label to the account's profile (does nothing if it is there).
+    LabelBot(AccountArgs),
     /// Inspect the effective configuration.
     #[command(subcommand)]
     Config(ConfigCommand),
@@ -126,6 +134,48 @@ pub struct GenerateArgs {
     /// No progress or timings on stderr
     #[arg(short, long)]
     pub quiet: bool,
+}
+
+/// The Bluesky account (the app password comes only from BOT_BSKY_APP_PASSWORD, the config's
+/// password_file, or a prompt on a terminal: never from the command line).
+#[derive(Debug, Args, Clone, Default)]
+pub struct AccountArgs {
+    /// Login host [default: https://bsky.social] (also BOT_BSKY_SERVICE)
+    #[arg(long)]
+    pub service: Option<String>,
+    /// Account handle, e.g. alice.bsky.social (also BOT_BSKY_HANDLE)
+    #[arg(long)]
+    pub handle: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct PostArgs {
+    /// Publish this text instead of generating one (checked against the limits, not rewritten)
+    #[arg(long)]
+    pub text: Option<String>,
+    /// Do everything but the write: print the record, its counts and the call it would make
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Print the result as one JSON object
+    #[arg(long)]
+    pub json: bool,
+    /// No progress or timings on stderr
+    #[arg(short, long)]
+    pub quiet: bool,
+    #[command(flatten)]
+    pub account: AccountArgs,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct DeleteArgs {
+    /// at://DID/app.bsky.feed.post/RKEY, or `last`
+    pub target: String,
+    #[command(flatten)]
+    pub account: AccountArgs,
 }
 
 #[derive(Debug, Subcommand)]

@@ -3,10 +3,14 @@
 //! dispatches; everything it runs lives here so tests can call it directly.
 
 pub mod bench;
+pub mod bluesky;
 pub mod cli;
 pub mod commands;
 pub mod debug;
 pub mod engine;
+pub mod exit;
 pub mod generate;
 pub mod hub;
+pub mod posting;
 pub mod settings;
+pub mod store;

@@ -10,6 +10,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Generate(args) => bot::commands::generate(config, profile, &args),
         Command::Config(ConfigCommand::Show) => bot::commands::config_show(config, profile),
+        Command::Post(args) => bot::posting::post(config, profile, &args),
+        Command::Delete(args) => bot::posting::delete(config, profile, &args),
+        Command::Whoami(args) => bot::posting::whoami(config, profile, &args),
+        Command::LabelBot(args) => bot::posting::label_bot(config, profile, &args),
         Command::Bench(args) => bot::bench::run(&args),
         Command::Debug(DebugCommand::Forward(args)) => bot::debug::forward(&args),
     }
@@ -19,6 +23,6 @@ fn main() {
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
-        std::process::exit(1);
+        std::process::exit(bot::exit::code(&e));
     }
 }

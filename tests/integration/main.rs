@@ -2,6 +2,7 @@
 //! the CLI.
 
 mod bad_input;
+mod bluesky_pds;
 mod cli;
 mod common;
 mod engine_vs_mlx;

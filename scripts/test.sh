@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set-up and tests in one command (README "Tests"; CI runs this through .ci/run):
+# starts two reference PDS instances on loopback (one with the production rate limiter),
+# then runs every test with REQUIRE_PDS=1 so that a missing server fails instead of skipping.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+pds=.ci/pds/start-pds.sh
+state=${ATPROTO_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/local-pds}
+bash "$pds" install >&2
+eval "$(bash "$pds")"
+RATE_LIMITS=1 PDS_PORT=2593 PLC_PORT=2592 STATE_DIR="$state/state-ratelimited" bash "$pds" >/dev/null
+export BSKY_SERVICE_RATELIMITED=http://127.0.0.1:2593
+stop() {
+  bash "$pds" stop >&2 || true
+  STATE_DIR="$state/state-ratelimited" PDS_PORT=2593 PLC_PORT=2592 bash "$pds" stop >&2 || true
+}
+trap stop EXIT
+export REQUIRE_PDS=1
+cargo test --locked "$@"

@@ -1,0 +1,80 @@
+//! Exit codes for scripts and schedulers (documented in README.md, "Exit codes").
+
+use crate::bluesky::xrpc::XrpcError;
+use crate::bluesky::BlueskyError;
+use crate::generate::GenerateError;
+use crate::hub::HubError;
+use crate::settings::SettingsError;
+
+pub const OK: i32 = 0;
+/// Anything not listed below.
+pub const OTHER: i32 = 1;
+/// Bad command line (clap's own code).
+pub const USAGE: i32 = 2;
+/// Bad configuration or credentials: a human must act; retrying will not help.
+pub const CONFIG: i32 = 3;
+/// The server throttled us beyond the wait budget: retry later.
+pub const RATE_LIMITED: i32 = 4;
+/// No usable post could be generated.
+pub const GENERATION: i32 = 5;
+/// Network or server failure: retry later.
+pub const NETWORK: i32 = 6;
+/// The post was refused before sending (over the limits, empty, a duplicate).
+pub const REFUSED: i32 = 7;
+
+/// The code for an error: the first typed error in its chain decides.
+pub fn code(e: &anyhow::Error) -> i32 {
+    for cause in e.chain() {
+        if let Some(b) = cause.downcast_ref::<BlueskyError>() {
+            return match b {
+                BlueskyError::Config(_) | BlueskyError::Auth { .. } => CONFIG,
+                BlueskyError::Text(_) => REFUSED,
+                BlueskyError::Xrpc(x) => xrpc_code(x),
+                BlueskyError::Session(_) | BlueskyError::Protocol { .. } => OTHER,
+            };
+        }
+        if let Some(x) = cause.downcast_ref::<XrpcError>() {
+            return xrpc_code(x);
+        }
+        if cause
+            .downcast_ref::<crate::bluesky::record::TextError>()
+            .is_some()
+        {
+            return REFUSED;
+        }
+        if let Some(g) = cause.downcast_ref::<GenerateError>() {
+            return match g {
+                GenerateError::TooShort { .. } => GENERATION,
+                GenerateError::EmptyPrompts { .. }
+                | GenerateError::ReadPrompts { .. }
+                | GenerateError::Sampling(_) => CONFIG,
+                _ => OTHER,
+            };
+        }
+        if let Some(h) = cause.downcast_ref::<HubError>() {
+            return match h {
+                HubError::Download { .. } => NETWORK,
+                _ => CONFIG,
+            };
+        }
+        if cause.downcast_ref::<SettingsError>().is_some() {
+            return CONFIG;
+        }
+        if cause.downcast_ref::<crate::posting::Refused>().is_some() {
+            return REFUSED;
+        }
+    }
+    OTHER
+}
+
+fn xrpc_code(x: &XrpcError) -> i32 {
+    match x {
+        XrpcError::RateLimited { .. } => RATE_LIMITED,
+        XrpcError::Transport { .. } => NETWORK,
+        XrpcError::Api { status, .. } if *status >= 500 => NETWORK,
+        XrpcError::Api {
+            status: 401 | 403, ..
+        } => CONFIG,
+        _ => OTHER,
+    }
+}

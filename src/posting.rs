@@ -1,0 +1,347 @@
+//! `bot post`, `bot delete`, `bot whoami`, `bot label-bot`: settings → text → record →
+//! Bluesky, with the local history written before and after every send.
+
+use std::io::IsTerminal;
+use std::path::Path;
+use std::time::{Duration, SystemTime};
+
+use anyhow::Context;
+use rand::Rng;
+use serde_json::{json, Value};
+
+use crate::bluesky::record::{self, Span, POST_COLLECTION};
+use crate::bluesky::xrpc::RetryPolicy;
+use crate::bluesky::{self, Bluesky, BlueskyError, Credentials, Published};
+use crate::cli::{AccountArgs, DeleteArgs, PostArgs};
+use crate::commands::{self, load_settings, process_env};
+use crate::settings::{Overrides, Settings};
+use crate::store::{NewPost, Store};
+
+/// A post refused before anything was sent.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Refused(pub String);
+
+fn settings_for(
+    config: Option<&Path>,
+    profile: Option<&str>,
+    a: &AccountArgs,
+    o: Overrides,
+) -> anyhow::Result<Settings> {
+    load_settings(
+        config,
+        profile,
+        &Overrides {
+            service: a.service.clone(),
+            handle: a.handle.clone(),
+            ..o
+        },
+    )
+}
+
+/// The app password: BOT_BSKY_APP_PASSWORD, else the configured file, else a prompt on a
+/// terminal. Never an argument, never printed.
+pub fn password_source(settings: &Settings) -> impl Fn() -> Result<String, BlueskyError> + '_ {
+    move || {
+        if let Some(p) = process_env("BOT_BSKY_APP_PASSWORD").filter(|p| !p.is_empty()) {
+            return Ok(p);
+        }
+        if let Some(path) = &settings.password_file.value {
+            #[cfg(unix)]
+            if let Ok(m) = std::fs::metadata(path) {
+                use std::os::unix::fs::PermissionsExt;
+                if m.permissions().mode() & 0o077 != 0 {
+                    eprintln!(
+                        "warning: {} is readable by other users; run `chmod 600 {}`",
+                        path.display(),
+                        path.display()
+                    );
+                }
+            }
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                BlueskyError::Config(format!(
+                    "cannot read the app password file {}: {e}",
+                    path.display()
+                ))
+            })?;
+            let p = text.trim().to_string();
+            if p.is_empty() {
+                return Err(BlueskyError::Config(format!(
+                    "the app password file {} is empty",
+                    path.display()
+                )));
+            }
+            return Ok(p);
+        }
+        if std::io::stdin().is_terminal() {
+            let handle = settings.handle.value.clone().unwrap_or_default();
+            return rpassword::prompt_password(format!("App password for {handle}: "))
+                .map_err(|e| BlueskyError::Config(format!("reading the app password: {e}")));
+        }
+        Err(BlueskyError::Config(
+            "no app password: set BOT_BSKY_APP_PASSWORD, or `password_file` under [bluesky] in \
+             the config (a file of mode 0600 holding an app password)"
+                .into(),
+        ))
+    }
+}
+
+fn credentials<'a>(
+    settings: &Settings,
+    password: &'a dyn Fn() -> Result<String, BlueskyError>,
+) -> Credentials<'a> {
+    Credentials {
+        service: settings.service.value.trim_end_matches('/').to_string(),
+        handle: settings.handle.value.clone().unwrap_or_default(),
+        password,
+    }
+}
+
+/// Retry bounds; BOT_RETRY_TOTAL_S shortens them (tests, impatient schedulers).
+fn policy() -> RetryPolicy {
+    let mut p = RetryPolicy::default();
+    if let Some(s) = process_env("BOT_RETRY_TOTAL_S").and_then(|v| v.parse::<u64>().ok()) {
+        p.total = Duration::from_secs(s);
+        p.max_rate_limit_wait = p.max_rate_limit_wait.min(p.total);
+    }
+    p
+}
+
+/// Settles posts left `pending` by an interrupted run: landed ones become `posted`, the
+/// others `failed` (they were never published, so nothing is lost and nothing repeats).
+pub fn reconcile(client: &mut Bluesky, creds: &Credentials, store: &Store) -> anyhow::Result<()> {
+    for row in store.pending(&client.session.did)? {
+        match client.get_record(creds, POST_COLLECTION, &row.rkey)? {
+            Some(v) => {
+                let p = Published {
+                    uri: v["uri"].as_str().unwrap_or_default().to_string(),
+                    cid: v["cid"].as_str().unwrap_or_default().to_string(),
+                };
+                store.mark_posted(
+                    &row.rkey,
+                    &p.uri,
+                    &p.cid,
+                    &record::timestamp(SystemTime::now()),
+                )?;
+                eprintln!("an interrupted run's post had landed: {}", p.uri);
+            }
+            None => store.set_status(&row.rkey, "failed")?,
+        }
+    }
+    Ok(())
+}
+
+/// Publishes `text` with the history written around the send.
+pub fn publish(
+    client: &mut Bluesky,
+    creds: &Credentials,
+    store: &Store,
+    text: &str,
+    langs: &[String],
+    draft_id: Option<i64>,
+) -> anyhow::Result<(String, Published)> {
+    record::check_text(text).map_err(BlueskyError::Text)?;
+    let spans = record::detect_spans(text);
+    let facets = record::facets(&spans, &mut |h| client.resolve_handle(h));
+    let now = SystemTime::now();
+    let rkey = record::tid(now, rand::rng().random_range(0..1024));
+    let rec = record::post_record(text, &record::timestamp(now), langs, facets);
+    let did = client.session.did.clone();
+    store.add_pending(&NewPost {
+        account: &did,
+        service: &creds.service,
+        rkey: &rkey,
+        text,
+        record: &rec.to_string(),
+        created_at: &record::timestamp(now),
+        draft_id,
+    })?;
+    let published = client.create_post(creds, &rkey, &rec)?;
+    store.mark_posted(
+        &rkey,
+        &published.uri,
+        &published.cid,
+        &record::timestamp(SystemTime::now()),
+    )?;
+    Ok((rkey, published))
+}
+
+fn dry_run(settings: &Settings, text: &str, json_out: bool) -> anyhow::Result<()> {
+    let spans = record::detect_spans(text);
+    let anon = bluesky::anonymous(Duration::from_secs(10))?;
+    let mut unresolved = Vec::new();
+    let facets = record::facets(&spans, &mut |h| {
+        let did = bluesky::resolve_handle(&anon, &settings.service.value, h);
+        if did.is_none() {
+            unresolved.push(h.to_string());
+        }
+        did
+    });
+    let now = SystemTime::now();
+    let rkey = record::tid(now, 0);
+    let rec = record::post_record(text, &record::timestamp(now), &settings.langs.value, facets);
+    let report = json!({
+        "dry_run": true,
+        "call": "com.atproto.repo.createRecord",
+        "service": settings.service.value,
+        "repo": settings.handle.value,
+        "collection": POST_COLLECTION,
+        "rkey": rkey,
+        "record": rec,
+        "graphemes": crate::generate::postprocess::grapheme_count(text),
+        "bytes": text.len(),
+        "facets": spans,
+        "unresolved_mentions": unresolved,
+    });
+    if json_out {
+        println!("{report}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    }
+    Ok(())
+}
+
+pub fn post(config: Option<&Path>, profile: Option<&str>, args: &PostArgs) -> anyhow::Result<()> {
+    let settings = settings_for(
+        config,
+        profile,
+        &args.account,
+        commands::overrides(&args.model, &args.sampling),
+    )?;
+    let text = match &args.text {
+        Some(t) => t.trim().to_string(),
+        None => {
+            let (mut generator, _) = commands::load_generator(&settings, &args.model, !args.quiet)?;
+            let seed = args
+                .sampling
+                .seed
+                .unwrap_or_else(|| rand::random::<u32>() as u64);
+            let req = commands::post_request(&settings, &args.sampling, seed)?;
+            let progress = commands::Progress::new(!args.quiet);
+            let p = generator.post(&req, &mut |e| progress.event("post", &e));
+            progress.finish();
+            let p = p?;
+            if !args.quiet {
+                commands::report_post(&p, 0, 1);
+            }
+            p.text
+        }
+    };
+    record::check_text(&text).map_err(BlueskyError::Text)?;
+    if args.dry_run {
+        return dry_run(&settings, &text, args.json);
+    }
+    let pw = password_source(&settings);
+    let creds = credentials(&settings, &pw);
+    let mut client = Bluesky::connect(&creds, &settings.paths.data_dir, policy())?;
+    let store = Store::open(&settings.paths.data_dir)?;
+    reconcile(&mut client, &creds, &store)?;
+    let (rkey, published) = publish(
+        &mut client,
+        &creds,
+        &store,
+        &text,
+        &settings.langs.value,
+        None,
+    )
+    .context("publishing")?;
+    if args.json {
+        println!(
+            "{}",
+            json!({ "uri": published.uri, "cid": published.cid, "rkey": rkey, "text": text })
+        );
+    } else {
+        println!("{}", published.uri);
+    }
+    Ok(())
+}
+
+pub fn delete(
+    config: Option<&Path>,
+    profile: Option<&str>,
+    args: &DeleteArgs,
+) -> anyhow::Result<()> {
+    let settings = settings_for(config, profile, &args.account, Overrides::default())?;
+    let pw = password_source(&settings);
+    let creds = credentials(&settings, &pw);
+    let mut client = Bluesky::connect(&creds, &settings.paths.data_dir, policy())?;
+    let store = Store::open(&settings.paths.data_dir)?;
+    let uri = if args.target == "last" {
+        store
+            .recent_posted(&client.session.did, 1)?
+            .into_iter()
+            .next()
+            .and_then(|r| r.uri)
+            .ok_or_else(|| anyhow::anyhow!("no post of {} in the local history", creds.handle))?
+    } else {
+        args.target.clone()
+    };
+    let (repo, collection, rkey) = bluesky::parse_at_uri(&uri).ok_or_else(|| {
+        anyhow::anyhow!("{uri:?} is not an at:// URI of the form at://DID/COLLECTION/RKEY")
+    })?;
+    if repo != client.session.did && !repo.eq_ignore_ascii_case(&client.session.handle) {
+        anyhow::bail!(
+            "{uri} belongs to {repo}, not to {} ({})",
+            client.session.handle,
+            client.session.did
+        );
+    }
+    client.delete(&creds, &collection, &rkey)?;
+    store.set_status(&rkey, "deleted")?;
+    println!("deleted {uri}");
+    Ok(())
+}
+
+pub fn whoami(
+    config: Option<&Path>,
+    profile: Option<&str>,
+    args: &AccountArgs,
+) -> anyhow::Result<()> {
+    let settings = settings_for(config, profile, args, Overrides::default())?;
+    let pw = password_source(&settings);
+    let creds = credentials(&settings, &pw);
+    let mut client = Bluesky::connect(&creds, &settings.paths.data_dir, policy())?;
+    let v: Value = client.whoami(&creds)?;
+    println!(
+        "{}",
+        json!({
+            "handle": v.get("handle"),
+            "did": v.get("did"),
+            "pds": client.session.pds,
+            "service": client.session.service,
+            "new_login": client.logins > 0,
+        })
+    );
+    Ok(())
+}
+
+pub fn label_bot(
+    config: Option<&Path>,
+    profile: Option<&str>,
+    args: &AccountArgs,
+) -> anyhow::Result<()> {
+    let settings = settings_for(config, profile, args, Overrides::default())?;
+    let pw = password_source(&settings);
+    let creds = credentials(&settings, &pw);
+    let mut client = Bluesky::connect(&creds, &settings.paths.data_dir, policy())?;
+    if client.label_bot(&creds)? {
+        println!("added the `bot` self-label to {}", client.session.handle);
+    } else {
+        println!(
+            "{} already carries the `bot` self-label",
+            client.session.handle
+        );
+    }
+    Ok(())
+}
+
+/// Mentions in `spans` (for callers that want to show them).
+pub fn mentions(spans: &[Span]) -> Vec<&str> {
+    spans
+        .iter()
+        .filter_map(|s| match s {
+            Span::Mention { handle, .. } => Some(handle.as_str()),
+            _ => None,
+        })
+        .collect()
+}
