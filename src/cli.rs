@@ -36,6 +36,20 @@ pub enum Command {
     Whoami(AccountArgs),
     /// Add the `bot` self-label to the account's profile (does nothing if it is there).
     LabelBot(AccountArgs),
+    /// Generate posts into the review queue.
+    Draft(DraftArgs),
+    /// List and decide drafts without a terminal UI.
+    #[command(subcommand)]
+    Queue(QueueCommand),
+    /// Walk new drafts in the terminal: approve, reject, edit, regenerate, quit.
+    Review(ReviewArgs),
+    /// One scheduled run: takes the run lock, respects quiet hours, posts, logs one line.
+    Run(RunArgs),
+    /// Install, show or remove the schedule (launchd on macOS, cron elsewhere).
+    #[command(subcommand)]
+    Schedule(ScheduleCommand),
+    /// Recent scheduled runs from the run log.
+    Log(LogArgs),
     /// Inspect the effective configuration.
     #[command(subcommand)]
     Config(ConfigCommand),
@@ -128,6 +142,9 @@ pub struct GenerateArgs {
     /// One JSON object per post per line (text, raw, prompt, seed, tokens, attempts, timings)
     #[arg(long)]
     pub json: bool,
+    /// Also store each post as a new draft in the review queue
+    #[arg(long)]
+    pub save: bool,
     /// Separate posts with NUL bytes instead of a line holding only "---"
     #[arg(short = 'z', long, conflicts_with = "json")]
     pub null: bool,
@@ -151,8 +168,13 @@ pub struct AccountArgs {
 #[derive(Debug, Args)]
 pub struct PostArgs {
     /// Publish this text instead of generating one (checked against the limits, not rewritten)
-    #[arg(long)]
+    #[arg(long, conflicts_with = "next")]
     pub text: Option<String>,
+    /// Publish the oldest approved draft instead (exit 0 with a message when there is none)
+    #[arg(long)]
+    pub next: bool,
+    #[command(flatten)]
+    pub guard: GuardArgs,
     /// Do everything but the write: print the record, its counts and the call it would make
     #[arg(long)]
     pub dry_run: bool,
@@ -168,6 +190,136 @@ pub struct PostArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+}
+
+/// The duplicate guard.
+#[derive(Debug, Args, Clone)]
+pub struct GuardArgs {
+    /// Refuse a post at least this similar (0-1, character trigrams) to a recent one
+    #[arg(long, default_value_t = 0.85)]
+    pub max_similarity: f64,
+    /// How many recent posts (local history and the account's records) to compare with
+    #[arg(long, default_value_t = 50)]
+    pub history: u32,
+    /// mlx_lm chat JSONL the adapter was trained on: refuse posts copying a run of its words
+    #[arg(long)]
+    pub training_data: Option<PathBuf>,
+    /// With --training-data: how many consecutive words count as copying
+    #[arg(long, default_value_t = 10)]
+    pub copied_words: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct DraftArgs {
+    /// Number of drafts
+    #[arg(short = 'n', long = "count", default_value_t = 1)]
+    pub count: usize,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    #[arg(short, long)]
+    pub quiet: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum QueueCommand {
+    /// Drafts, oldest first
+    List {
+        #[arg(long)]
+        json: bool,
+        /// Only drafts with this status (new, approved, rejected, posted)
+        #[arg(long)]
+        status: Option<String>,
+    },
+    Approve {
+        ids: Vec<i64>,
+    },
+    Reject {
+        ids: Vec<i64>,
+    },
+    /// Delete new and rejected drafts
+    Clear,
+}
+
+#[derive(Debug, Args)]
+pub struct ReviewArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum RunMode {
+    /// Publish the oldest approved draft; with none, do nothing
+    Queue,
+    /// Generate and publish (the original bot's behaviour)
+    Auto,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[arg(long, value_enum, default_value_t = RunMode::Queue)]
+    pub mode: RunMode,
+    /// Wait a random time up to this long first (e.g. 10m), so posts do not land on the minute
+    #[arg(long)]
+    pub jitter: Option<String>,
+    /// Do nothing between these local times, e.g. 23:00-08:00
+    #[arg(long)]
+    pub quiet_hours: Option<String>,
+    #[command(flatten)]
+    pub guard: GuardArgs,
+    #[command(flatten)]
+    pub account: AccountArgs,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum ScheduleTarget {
+    Launchd,
+    Cron,
+}
+
+#[derive(Debug, Args)]
+pub struct ScheduleSpec {
+    /// How often, e.g. 30m, 1h, 6h
+    #[arg(long, default_value = "1h")]
+    pub every: String,
+    #[arg(long)]
+    pub jitter: Option<String>,
+    #[arg(long, value_enum, default_value_t = RunMode::Queue)]
+    pub mode: RunMode,
+    #[arg(long)]
+    pub quiet_hours: Option<String>,
+    /// Only print what would be installed
+    #[arg(long)]
+    pub print: bool,
+    /// launchd or cron [default: launchd on macOS, cron elsewhere]
+    #[arg(long, value_enum)]
+    pub target: Option<ScheduleTarget>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ScheduleCommand {
+    Install(ScheduleSpec),
+    Show {
+        #[arg(long, value_enum)]
+        target: Option<ScheduleTarget>,
+    },
+    Remove {
+        #[arg(long, value_enum)]
+        target: Option<ScheduleTarget>,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct LogArgs {
+    #[arg(short = 'n', default_value_t = 20)]
+    pub n: usize,
 }
 
 #[derive(Debug, Args)]

@@ -173,6 +173,11 @@ pub fn generate(
         .seed
         .unwrap_or_else(|| rand::random::<u32>() as u64);
     let progress = Progress::new(verbose);
+    let store = if args.save {
+        Some(crate::store::Store::open(&settings.paths.data_dir)?)
+    } else {
+        None
+    };
     let mut out = std::io::stdout().lock();
     for i in 0..args.count {
         let req = post_request(&settings, &args.sampling, base_seed.wrapping_add(i as u64))?;
@@ -182,6 +187,12 @@ pub fn generate(
         let post = post?;
         if verbose {
             report_post(&post, i, args.count);
+        }
+        if let Some(store) = &store {
+            let id = crate::queue::save_draft(store, &post, &settings)?;
+            if verbose {
+                eprintln!("saved as draft {id}");
+            }
         }
         if args.json {
             writeln!(out, "{}", serde_json::to_string(&post)?)?;

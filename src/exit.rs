@@ -21,6 +21,8 @@ pub const GENERATION: i32 = 5;
 pub const NETWORK: i32 = 6;
 /// The post was refused before sending (over the limits, empty, a duplicate).
 pub const REFUSED: i32 = 7;
+/// Another scheduled run of the same profile holds the lock.
+pub const LOCKED: i32 = 8;
 
 /// The code for an error: the first typed error in its chain decides.
 pub fn code(e: &anyhow::Error) -> i32 {
@@ -58,6 +60,12 @@ pub fn code(e: &anyhow::Error) -> i32 {
             };
         }
         if cause.downcast_ref::<SettingsError>().is_some() {
+            return CONFIG;
+        }
+        if cause.downcast_ref::<crate::schedule::Locked>().is_some() {
+            return LOCKED;
+        }
+        if cause.downcast_ref::<crate::store::DraftError>().is_some() {
             return CONFIG;
         }
         if cause.downcast_ref::<crate::posting::Refused>().is_some() {

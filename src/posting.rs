@@ -12,8 +12,9 @@ use serde_json::{json, Value};
 use crate::bluesky::record::{self, Span, POST_COLLECTION};
 use crate::bluesky::xrpc::RetryPolicy;
 use crate::bluesky::{self, Bluesky, BlueskyError, Credentials, Published};
-use crate::cli::{AccountArgs, DeleteArgs, PostArgs};
+use crate::cli::{AccountArgs, DeleteArgs, GuardArgs, PostArgs};
 use crate::commands::{self, load_settings, process_env};
+use crate::dedup::{self, TrainingIndex};
 use crate::settings::{Overrides, Settings};
 use crate::store::{NewPost, Store};
 
@@ -22,7 +23,7 @@ use crate::store::{NewPost, Store};
 #[error("{0}")]
 pub struct Refused(pub String);
 
-fn settings_for(
+pub fn settings_for(
     config: Option<&Path>,
     profile: Option<&str>,
     a: &AccountArgs,
@@ -131,7 +132,71 @@ pub fn reconcile(client: &mut Bluesky, creds: &Credentials, store: &Store) -> an
     Ok(())
 }
 
+/// The duplicate guard's inputs.
+pub struct Guard {
+    pub max_similarity: f64,
+    pub history: u32,
+    pub training: Option<TrainingIndex>,
+}
+
+impl Guard {
+    pub fn from_args(g: &GuardArgs) -> anyhow::Result<Self> {
+        let training = match &g.training_data {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading training data {}", path.display()))?;
+                let posts = dedup::training_posts(&text)
+                    .map_err(|e| anyhow::anyhow!("training data {}: {e}", path.display()))?;
+                Some(TrainingIndex::new(&posts, g.copied_words))
+            }
+            None => None,
+        };
+        Ok(Guard {
+            max_similarity: g.max_similarity,
+            history: g.history,
+            training,
+        })
+    }
+
+    /// Refuses `text` when it repeats a recent post (local history and the account's
+    /// records) or copies the training data.
+    pub fn check(
+        &self,
+        client: &mut Bluesky,
+        creds: &Credentials,
+        store: &Store,
+        text: &str,
+    ) -> anyhow::Result<()> {
+        let mut earlier: Vec<String> = store
+            .recent_posted(&client.session.did, self.history as usize)?
+            .into_iter()
+            .map(|r| r.text)
+            .collect();
+        for r in client.list_records(creds, POST_COLLECTION, self.history.clamp(1, 100))? {
+            if let Some(t) = r.pointer("/value/text").and_then(Value::as_str) {
+                earlier.push(t.to_string());
+            }
+        }
+        if let Some((prev, score)) = dedup::near_duplicate(text, &earlier, self.max_similarity) {
+            return Err(Refused(format!(
+                "refused: {:.0}% similar to an earlier post ({prev:?}); --max-similarity is {}",
+                score * 100.0,
+                self.max_similarity
+            ))
+            .into());
+        }
+        if let Some(span) = self.training.as_ref().and_then(|t| t.copied_span(text)) {
+            return Err(Refused(format!(
+                "refused: copies the training data verbatim ({span:?})"
+            ))
+            .into());
+        }
+        Ok(())
+    }
+}
+
 /// Publishes `text` with the history written around the send.
+#[allow(clippy::too_many_arguments)]
 pub fn publish(
     client: &mut Bluesky,
     creds: &Credentials,
@@ -139,8 +204,10 @@ pub fn publish(
     text: &str,
     langs: &[String],
     draft_id: Option<i64>,
+    guard: &Guard,
 ) -> anyhow::Result<(String, Published)> {
     record::check_text(text).map_err(BlueskyError::Text)?;
+    guard.check(client, creds, store, text)?;
     let spans = record::detect_spans(text);
     let facets = record::facets(&spans, &mut |h| client.resolve_handle(h));
     let now = SystemTime::now();
@@ -201,6 +268,39 @@ fn dry_run(settings: &Settings, text: &str, json_out: bool) -> anyhow::Result<()
     Ok(())
 }
 
+/// Logs in (or reuses the session) and opens the store, settling interrupted sends first.
+pub fn connect(settings: &Settings) -> anyhow::Result<(Bluesky, Store)> {
+    let pw = password_source(settings);
+    let creds = credentials(settings, &pw);
+    let mut client = Bluesky::connect(&creds, &settings.paths.data_dir, policy())?;
+    let store = Store::open(&settings.paths.data_dir)?;
+    reconcile(&mut client, &creds, &store)?;
+    Ok((client, store))
+}
+
+/// Publishes the oldest approved draft; None when the queue has none.
+pub fn publish_next(
+    settings: &Settings,
+    guard: &Guard,
+) -> anyhow::Result<Option<(i64, Published)>> {
+    let (mut client, store) = connect(settings)?;
+    let pw = password_source(settings);
+    let creds = credentials(settings, &pw);
+    let Some(d) = store.next_approved()? else {
+        return Ok(None);
+    };
+    let (_, p) = publish(
+        &mut client,
+        &creds,
+        &store,
+        &d.text,
+        &settings.langs.value,
+        Some(d.id),
+        guard,
+    )?;
+    Ok(Some((d.id, p)))
+}
+
 pub fn post(config: Option<&Path>, profile: Option<&str>, args: &PostArgs) -> anyhow::Result<()> {
     let settings = settings_for(
         config,
@@ -208,6 +308,30 @@ pub fn post(config: Option<&Path>, profile: Option<&str>, args: &PostArgs) -> an
         &args.account,
         commands::overrides(&args.model, &args.sampling),
     )?;
+    let guard = Guard::from_args(&args.guard)?;
+    if args.next {
+        if args.dry_run {
+            let store = Store::open(&settings.paths.data_dir)?;
+            return match store.next_approved()? {
+                Some(d) => dry_run(&settings, &d.text, args.json),
+                None => {
+                    eprintln!("no approved drafts");
+                    Ok(())
+                }
+            };
+        }
+        match publish_next(&settings, &guard)? {
+            Some((id, p)) => {
+                if args.json {
+                    println!("{}", json!({ "uri": p.uri, "cid": p.cid, "draft": id }));
+                } else {
+                    println!("{}", p.uri);
+                }
+            }
+            None => eprintln!("no approved drafts: nothing posted"),
+        }
+        return Ok(());
+    }
     let text = match &args.text {
         Some(t) => t.trim().to_string(),
         None => {
@@ -231,11 +355,9 @@ pub fn post(config: Option<&Path>, profile: Option<&str>, args: &PostArgs) -> an
     if args.dry_run {
         return dry_run(&settings, &text, args.json);
     }
+    let (mut client, store) = connect(&settings)?;
     let pw = password_source(&settings);
     let creds = credentials(&settings, &pw);
-    let mut client = Bluesky::connect(&creds, &settings.paths.data_dir, policy())?;
-    let store = Store::open(&settings.paths.data_dir)?;
-    reconcile(&mut client, &creds, &store)?;
     let (rkey, published) = publish(
         &mut client,
         &creds,
@@ -243,8 +365,8 @@ pub fn post(config: Option<&Path>, profile: Option<&str>, args: &PostArgs) -> an
         &text,
         &settings.langs.value,
         None,
-    )
-    .context("publishing")?;
+        &guard,
+    )?;
     if args.json {
         println!(
             "{}",

@@ -239,3 +239,258 @@ impl Store {
         })
     }
 }
+
+/// A draft's life: `new` → `approved` | `rejected`; `approved` ⇄ `rejected` while unposted;
+/// `approved` → `posted` only through publishing. `posted` is final.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftStatus {
+    New,
+    Approved,
+    Rejected,
+    Posted,
+}
+
+impl DraftStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DraftStatus::New => "new",
+            DraftStatus::Approved => "approved",
+            DraftStatus::Rejected => "rejected",
+            DraftStatus::Posted => "posted",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "new" => DraftStatus::New,
+            "approved" => DraftStatus::Approved,
+            "rejected" => DraftStatus::Rejected,
+            "posted" => DraftStatus::Posted,
+            _ => return None,
+        })
+    }
+    /// Whether a person may move a draft from `self` to `to` (posting is not a person's move).
+    pub fn can_become(self, to: DraftStatus) -> bool {
+        use DraftStatus::*;
+        matches!(
+            (self, to),
+            (New, Approved) | (New, Rejected) | (Approved, Rejected) | (Rejected, Approved)
+        )
+    }
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Draft {
+    pub id: i64,
+    pub text: String,
+    pub raw: Option<String>,
+    pub prompt: Option<String>,
+    pub seed: Option<i64>,
+    pub model: Option<String>,
+    pub adapter: Option<String>,
+    pub created_at: String,
+    pub status: String,
+    pub uri: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DraftError {
+    #[error("no draft {0}")]
+    NotFound(i64),
+    #[error("draft {id} is {from}; it cannot become {to}")]
+    Transition { id: i64, from: String, to: String },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl Store {
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_draft(
+        &self,
+        text: &str,
+        raw: Option<&str>,
+        prompt: Option<&str>,
+        seed: Option<i64>,
+        model: Option<&str>,
+        adapter: Option<&str>,
+        created_at: &str,
+    ) -> Result<i64, StoreError> {
+        self.exec(|c| {
+            c.execute(
+                "INSERT INTO drafts (text, raw, prompt, seed, model, adapter, created_at, status)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'new')",
+                params![text, raw, prompt, seed, model, adapter, created_at],
+            )?;
+            Ok(c.last_insert_rowid())
+        })
+    }
+
+    const DRAFT_COLS: &'static str =
+        "id, text, raw, prompt, seed, model, adapter, created_at, status, uri";
+
+    fn drafts_where(&self, cond: &str, p: impl rusqlite::Params) -> Result<Vec<Draft>, StoreError> {
+        self.exec(|c| {
+            let mut st = c.prepare(&format!(
+                "SELECT {} FROM drafts WHERE {cond}",
+                Self::DRAFT_COLS
+            ))?;
+            let rows = st.query_map(p, |r| {
+                Ok(Draft {
+                    id: r.get(0)?,
+                    text: r.get(1)?,
+                    raw: r.get(2)?,
+                    prompt: r.get(3)?,
+                    seed: r.get(4)?,
+                    model: r.get(5)?,
+                    adapter: r.get(6)?,
+                    created_at: r.get(7)?,
+                    status: r.get(8)?,
+                    uri: r.get(9)?,
+                })
+            })?;
+            rows.collect()
+        })
+    }
+
+    pub fn drafts(&self, status: Option<DraftStatus>) -> Result<Vec<Draft>, StoreError> {
+        match status {
+            Some(s) => self.drafts_where("status = ?1 ORDER BY id", params![s.as_str()]),
+            None => self.drafts_where("1 ORDER BY id", params![]),
+        }
+    }
+
+    pub fn draft(&self, id: i64) -> Result<Option<Draft>, StoreError> {
+        Ok(self
+            .drafts_where("id = ?1", params![id])?
+            .into_iter()
+            .next())
+    }
+
+    /// A person's move (approve, reject), checked against the state machine in one statement
+    /// so that a concurrent change cannot slip between the check and the write.
+    pub fn set_draft_status(&self, id: i64, to: DraftStatus) -> Result<(), DraftError> {
+        let allowed: Vec<&str> = [
+            DraftStatus::New,
+            DraftStatus::Approved,
+            DraftStatus::Rejected,
+        ]
+        .into_iter()
+        .filter(|f| f.can_become(to))
+        .map(DraftStatus::as_str)
+        .collect();
+        let placeholders = allowed
+            .iter()
+            .map(|s| format!("'{s}'"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let changed = self.exec(|c| {
+            c.execute(
+                &format!(
+                    "UPDATE drafts SET status = ?2 WHERE id = ?1 AND status IN ({placeholders})"
+                ),
+                params![id, to.as_str()],
+            )
+        })?;
+        if changed == 1 {
+            return Ok(());
+        }
+        match self.draft(id)? {
+            None => Err(DraftError::NotFound(id)),
+            Some(d) => Err(DraftError::Transition {
+                id,
+                from: d.status,
+                to: to.as_str().into(),
+            }),
+        }
+    }
+
+    /// Replaces an unposted draft's text.
+    pub fn edit_draft(&self, id: i64, text: &str) -> Result<(), DraftError> {
+        let changed = self.exec(|c| {
+            c.execute(
+                "UPDATE drafts SET text = ?2 WHERE id = ?1 AND status != 'posted'",
+                params![id, text],
+            )
+        })?;
+        if changed == 1 {
+            return Ok(());
+        }
+        match self.draft(id)? {
+            None => Err(DraftError::NotFound(id)),
+            Some(d) => Err(DraftError::Transition {
+                id,
+                from: d.status,
+                to: "edited".into(),
+            }),
+        }
+    }
+
+    /// The oldest approved draft that no send is in flight for.
+    pub fn next_approved(&self) -> Result<Option<Draft>, StoreError> {
+        Ok(self
+            .drafts_where(
+                "status = 'approved' AND id NOT IN
+                   (SELECT draft_id FROM posts WHERE draft_id IS NOT NULL AND status IN ('pending', 'posted'))
+                 ORDER BY id LIMIT 1",
+                params![],
+            )?
+            .into_iter()
+            .next())
+    }
+
+    /// Deletes new and rejected drafts; returns how many.
+    pub fn clear_drafts(&self) -> Result<usize, StoreError> {
+        self.exec(|c| {
+            c.execute(
+                "DELETE FROM drafts WHERE status IN ('new', 'rejected')
+                   AND id NOT IN (SELECT draft_id FROM posts WHERE draft_id IS NOT NULL)",
+                params![],
+            )
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn draft_state_machine() {
+        use DraftStatus::*;
+        assert!(New.can_become(Approved) && New.can_become(Rejected));
+        assert!(Approved.can_become(Rejected) && Rejected.can_become(Approved));
+        assert!(!Posted.can_become(Approved) && !Posted.can_become(Rejected));
+        assert!(!New.can_become(Posted) && !Approved.can_become(Posted));
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(dir.path()).unwrap();
+        let id = s
+            .add_draft("hello world", None, None, None, None, None, "t")
+            .unwrap();
+        assert!(s.next_approved().unwrap().is_none());
+        s.set_draft_status(id, Approved).unwrap();
+        assert_eq!(s.next_approved().unwrap().unwrap().id, id);
+        s.add_pending(&NewPost {
+            account: "did:x",
+            service: "s",
+            rkey: "3kaaaaaaaaaaa",
+            text: "hello world",
+            record: "{}",
+            created_at: "t",
+            draft_id: Some(id),
+        })
+        .unwrap();
+        assert!(
+            s.next_approved().unwrap().is_none(),
+            "in flight: not offered twice"
+        );
+        s.mark_posted("3kaaaaaaaaaaa", "at://x", "cid", "t")
+            .unwrap();
+        assert_eq!(s.draft(id).unwrap().unwrap().status, "posted");
+        let err = s.set_draft_status(id, Rejected).unwrap_err();
+        assert!(err.to_string().contains("posted"), "{err}");
+        assert!(matches!(
+            s.set_draft_status(999, Approved),
+            Err(DraftError::NotFound(999))
+        ));
+        assert!(s.edit_draft(id, "changed").is_err());
+    }
+}

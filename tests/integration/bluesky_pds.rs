@@ -17,12 +17,12 @@ use serde_json::{json, Value};
 use bot::bluesky::xrpc::RetryPolicy;
 use bot::bluesky::{Bluesky, Credentials};
 
-struct Pds {
-    service: String,
-    jwt_secret: String,
+pub struct Pds {
+    pub service: String,
+    pub jwt_secret: String,
 }
 
-fn pds_from(var: &str) -> Option<Pds> {
+pub fn pds_from(var: &str) -> Option<Pds> {
     match std::env::var(var) {
         Ok(service) if !service.is_empty() => Some(Pds {
             service,
@@ -39,10 +39,10 @@ fn pds_from(var: &str) -> Option<Pds> {
     }
 }
 
-struct Account {
-    handle: String,
-    did: String,
-    app_password: String,
+pub struct Account {
+    pub handle: String,
+    pub did: String,
+    pub app_password: String,
 }
 
 fn http() -> reqwest::blocking::Client {
@@ -65,7 +65,7 @@ fn xrpc_post(service: &str, nsid: &str, body: &Value, token: Option<&str>) -> Va
 }
 
 /// A fresh account with an app password.
-fn account(pds: &Pds) -> Account {
+pub fn account(pds: &Pds) -> Account {
     static N: AtomicUsize = AtomicUsize::new(0);
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -97,7 +97,7 @@ fn account(pds: &Pds) -> Account {
     }
 }
 
-fn list_posts(pds: &Pds, did: &str) -> Vec<Value> {
+pub fn list_posts(pds: &Pds, did: &str) -> Vec<Value> {
     let v: Value = http()
         .get(format!("{}/xrpc/com.atproto.repo.listRecords", pds.service))
         .query(&[
@@ -112,7 +112,7 @@ fn list_posts(pds: &Pds, did: &str) -> Vec<Value> {
     v["records"].as_array().cloned().unwrap_or_default()
 }
 
-fn bot(service: &str, home: &std::path::Path, acct: &Account) -> Command {
+pub fn bot(service: &str, home: &std::path::Path, acct: &Account) -> Command {
     let mut c = Command::cargo_bin("bot").unwrap();
     c.env("BOT_HOME", home)
         .env("BOT_BSKY_SERVICE", service)
@@ -123,7 +123,7 @@ fn bot(service: &str, home: &std::path::Path, acct: &Account) -> Command {
     c
 }
 
-fn ok_stdout(out: std::process::Output) -> String {
+pub fn ok_stdout(out: std::process::Output) -> String {
     assert!(
         out.status.success(),
         "exit {:?}: {}",

@@ -8,3 +8,4 @@ mod common;
 mod engine_vs_mlx;
 mod generate;
 mod hub;
+mod workflow;

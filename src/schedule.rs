@@ -1,0 +1,582 @@
+//! Scheduled posting: `bot run` (one run under a non-blocking lock, quiet hours, one run-log
+//! line), and `bot schedule` rendering/installing a launchd agent (macOS) or a marked crontab
+//! entry (elsewhere). Rendering is pure; installing is idempotent (the old entry is replaced).
+
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+use serde_json::json;
+
+use crate::cli::{RunArgs, RunMode, ScheduleSpec, ScheduleTarget};
+use crate::commands::{self, load_settings};
+use crate::posting::{self, Guard};
+use crate::settings::{Overrides, Settings};
+
+/// Another run holds the lock.
+#[derive(Debug, thiserror::Error)]
+#[error("another `bot run` for this profile is in progress (lock {0}); this one does nothing")]
+pub struct Locked(pub PathBuf);
+
+/// "90s", "10m", "1h", "1d" → duration.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration like 30m or 1h"))?;
+    let secs = match unit {
+        "s" => n,
+        "m" | "" => n * 60,
+        "h" => n * 3600,
+        "d" => n * 86400,
+        _ => return Err(format!("{s:?}: unit must be s, m, h or d")),
+    };
+    if secs == 0 {
+        return Err(format!("{s:?} must be positive"));
+    }
+    Ok(Duration::from_secs(secs))
+}
+
+/// "23:00-08:00" → (start, end) minutes after midnight.
+pub fn parse_quiet(s: &str) -> Result<(u32, u32), String> {
+    let hm = |t: &str| -> Option<u32> {
+        let (h, m) = t.trim().split_once(':')?;
+        let (h, m): (u32, u32) = (h.parse().ok()?, m.parse().ok()?);
+        (h < 24 && m < 60).then_some(h * 60 + m)
+    };
+    let (a, b) = s
+        .split_once('-')
+        .ok_or_else(|| format!("{s:?}: expected HH:MM-HH:MM"))?;
+    Ok((
+        hm(a).ok_or(format!("{a:?}: expected HH:MM"))?,
+        hm(b).ok_or(format!("{b:?}: expected HH:MM"))?,
+    ))
+}
+
+/// Whether `minute` (after local midnight) falls in the quiet window, which may wrap midnight.
+pub fn in_quiet(minute: u32, (start, end): (u32, u32)) -> bool {
+    if start <= end {
+        minute >= start && minute < end
+    } else {
+        minute >= start || minute < end
+    }
+}
+
+fn local_minute() -> u32 {
+    let now = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs() as libc::time_t)
+        .unwrap_or(0);
+    // SAFETY: localtime_r writes only into `tm`.
+    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    unsafe { libc::localtime_r(&now, &mut tm) };
+    (tm.tm_hour * 60 + tm.tm_min) as u32
+}
+
+fn append_log(settings: &Settings, entry: serde_json::Value) -> anyhow::Result<()> {
+    let path = settings.paths.data_dir.join("runs.jsonl");
+    let mut f = OpenOptions::new().create(true).append(true).open(&path)?;
+    // One write per line: concurrent appends do not interleave.
+    f.write_all(format!("{entry}\n").as_bytes())?;
+    Ok(())
+}
+
+pub fn run(config: Option<&Path>, profile: Option<&str>, args: &RunArgs) -> anyhow::Result<()> {
+    let settings = posting::settings_for(
+        config,
+        profile,
+        &args.account,
+        commands::overrides(&args.model, &args.sampling),
+    )?;
+    crate::bluesky::session::private_dir(&settings.paths.data_dir)?;
+    let lock_path = settings.paths.data_dir.join("run.lock");
+    let lock = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)?;
+    if lock.try_lock().is_err() {
+        return Err(Locked(lock_path).into());
+    }
+    let mode = match args.mode {
+        RunMode::Queue => "queue",
+        RunMode::Auto => "auto",
+    };
+    let log = |result: &str, uri: Option<&str>, error: Option<String>| {
+        append_log(
+            &settings,
+            json!({
+                "time": crate::bluesky::record::timestamp(SystemTime::now()),
+                "profile": settings.profile,
+                "mode": mode,
+                "result": result,
+                "uri": uri,
+                "error": error,
+            }),
+        )
+    };
+    if let Some(q) = &args.quiet_hours {
+        let window = parse_quiet(q).map_err(|e| anyhow::anyhow!("--quiet-hours {e}"))?;
+        if in_quiet(local_minute(), window) {
+            eprintln!("quiet hours ({q}): nothing to do");
+            return log("quiet", None, None);
+        }
+    }
+    if let Some(j) = &args.jitter {
+        let max = parse_duration(j).map_err(|e| anyhow::anyhow!("--jitter {e}"))?;
+        let wait = Duration::from_millis(rand::random::<u64>() % max.as_millis().max(1) as u64);
+        std::thread::sleep(wait);
+    }
+    let guard = Guard::from_args(&args.guard)?;
+    let outcome = match args.mode {
+        RunMode::Queue => posting::publish_next(&settings, &guard).map(|r| r.map(|(_, p)| p)),
+        RunMode::Auto => auto(&settings, args, &guard).map(Some),
+    };
+    match outcome {
+        Ok(Some(p)) => {
+            println!("{}", p.uri);
+            log("posted", Some(&p.uri), None)
+        }
+        Ok(None) => {
+            eprintln!("no approved drafts: nothing posted");
+            log("idle", None, None)
+        }
+        Err(e) => {
+            log("error", None, Some(format!("{e:#}")))?;
+            Err(e)
+        }
+    }
+}
+
+fn auto(
+    settings: &Settings,
+    args: &RunArgs,
+    guard: &Guard,
+) -> anyhow::Result<crate::bluesky::Published> {
+    let (mut g, _) = commands::load_generator(settings, &args.model, true)?;
+    let seed = args
+        .sampling
+        .seed
+        .unwrap_or_else(|| rand::random::<u32>() as u64);
+    let post = g.post(
+        &commands::post_request(settings, &args.sampling, seed)?,
+        &mut |_| {},
+    )?;
+    let (mut client, store) = posting::connect(settings)?;
+    let id = crate::queue::save_draft(&store, &post, settings)?;
+    store.set_draft_status(id, crate::store::DraftStatus::Approved)?;
+    let pw = posting::password_source(settings);
+    let creds = crate::bluesky::Credentials {
+        service: settings.service.value.trim_end_matches('/').to_string(),
+        handle: settings.handle.value.clone().unwrap_or_default(),
+        password: &pw,
+    };
+    let (_, p) = posting::publish(
+        &mut client,
+        &creds,
+        &store,
+        &post.text,
+        &settings.langs.value,
+        Some(id),
+        guard,
+    )?;
+    Ok(p)
+}
+
+pub fn log(config: Option<&Path>, profile: Option<&str>, n: usize) -> anyhow::Result<()> {
+    let settings = load_settings(config, profile, &Overrides::default())?;
+    let text =
+        std::fs::read_to_string(settings.paths.data_dir.join("runs.jsonl")).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    for l in &lines[lines.len().saturating_sub(n)..] {
+        println!("{l}");
+    }
+    Ok(())
+}
+
+/// What a schedule runs and where it logs.
+pub struct Job {
+    pub label: String,
+    pub exe: PathBuf,
+    pub args: Vec<String>,
+    pub every: Duration,
+    pub env: Vec<(String, String)>,
+    pub log_path: PathBuf,
+}
+
+fn job(settings: &Settings, spec: &ScheduleSpec) -> anyhow::Result<Job> {
+    let every = parse_duration(&spec.every).map_err(|e| anyhow::anyhow!("--every {e}"))?;
+    let mut args = Vec::new();
+    if let Some(p) = &settings.profile {
+        args.extend(["--profile".to_string(), p.clone()]);
+    }
+    args.extend(["run".to_string(), "--mode".to_string()]);
+    args.push(match spec.mode {
+        RunMode::Queue => "queue".into(),
+        RunMode::Auto => "auto".into(),
+    });
+    if let Some(j) = &spec.jitter {
+        parse_duration(j).map_err(|e| anyhow::anyhow!("--jitter {e}"))?;
+        args.extend(["--jitter".to_string(), j.clone()]);
+    }
+    if let Some(q) = &spec.quiet_hours {
+        parse_quiet(q).map_err(|e| anyhow::anyhow!("--quiet-hours {e}"))?;
+        args.extend(["--quiet-hours".to_string(), q.clone()]);
+    }
+    // What a run needs to find its files; never a secret (the app password belongs in the
+    // config's password_file).
+    let env: Vec<(String, String)> = ["BOT_HOME", "BOT_CONFIG", "HF_HOME", "PATH"]
+        .iter()
+        .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_string(), v)))
+        .collect();
+    Ok(Job {
+        label: format!(
+            "com.github.bot.{}",
+            settings.profile.as_deref().unwrap_or("default")
+        ),
+        exe: std::env::current_exe()?,
+        args,
+        every,
+        env,
+        log_path: settings.paths.data_dir.join("schedule.log"),
+    })
+}
+
+fn xml_escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+/// The launchd agent property list.
+pub fn render_plist(j: &Job) -> String {
+    let mut s = String::from(
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<!DOCTYPE plist PUBLIC \"-//Apple//DTD PLIST 1.0//EN\" \"http://www.apple.com/DTDs/PropertyList-1.0.dtd\">\n<plist version=\"1.0\">\n<dict>\n",
+    );
+    let kv = |s: &mut String, k: &str, v: &str| {
+        s.push_str(&format!(
+            "  <key>{k}</key>\n  <string>{}</string>\n",
+            xml_escape(v)
+        ))
+    };
+    kv(&mut s, "Label", &j.label);
+    s.push_str("  <key>ProgramArguments</key>\n  <array>\n");
+    for a in std::iter::once(j.exe.display().to_string()).chain(j.args.iter().cloned()) {
+        s.push_str(&format!("    <string>{}</string>\n", xml_escape(&a)));
+    }
+    s.push_str("  </array>\n");
+    s.push_str(&format!(
+        "  <key>StartInterval</key>\n  <integer>{}</integer>\n",
+        j.every.as_secs()
+    ));
+    s.push_str("  <key>RunAtLoad</key>\n  <false/>\n");
+    kv(&mut s, "StandardOutPath", &j.log_path.display().to_string());
+    kv(
+        &mut s,
+        "StandardErrorPath",
+        &j.log_path.display().to_string(),
+    );
+    s.push_str("  <key>EnvironmentVariables</key>\n  <dict>\n");
+    for (k, v) in &j.env {
+        s.push_str(&format!(
+            "    <key>{}</key>\n    <string>{}</string>\n",
+            xml_escape(k),
+            xml_escape(v)
+        ));
+    }
+    s.push_str("  </dict>\n</dict>\n</plist>\n");
+    s
+}
+
+fn shell_quote(s: &str) -> String {
+    if s.chars()
+        .all(|c| c.is_ascii_alphanumeric() || "-_./:=,@".contains(c))
+    {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+/// The crontab block: a marker comment and one line.
+pub fn render_cron(j: &Job) -> Result<String, String> {
+    let m = j.every.as_secs() / 60;
+    let when = match m {
+        1..=59 if 60_u64.is_multiple_of(m) => format!("*/{m} * * * *"),
+        60 => "0 * * * *".into(),
+        _ if m.is_multiple_of(60) && m / 60 < 24 && 24_u64.is_multiple_of(m / 60) => format!("0 */{} * * *", m / 60),
+        1440 => "0 0 * * *".into(),
+        _ => {
+            return Err(format!(
+                "cron cannot run every {m} minutes evenly: use a divisor of 60 minutes or 24 hours"
+            ))
+        }
+    };
+    let env: String = j
+        .env
+        .iter()
+        .map(|(k, v)| format!("{k}={} ", shell_quote(v)))
+        .collect();
+    let args: Vec<String> = j.args.iter().map(|a| shell_quote(a)).collect();
+    Ok(format!(
+        "# bot:{label} (managed by `bot schedule`; do not edit)\n{when} {env}{} {} >> {} 2>&1\n",
+        shell_quote(&j.exe.display().to_string()),
+        args.join(" "),
+        shell_quote(&j.log_path.display().to_string()),
+        label = j.label
+    ))
+}
+
+fn default_target() -> ScheduleTarget {
+    if cfg!(target_os = "macos") {
+        ScheduleTarget::Launchd
+    } else {
+        ScheduleTarget::Cron
+    }
+}
+
+/// `crontab` (or `BOT_CRONTAB`, for tests and unusual systems).
+fn crontab_cmd() -> String {
+    std::env::var("BOT_CRONTAB").unwrap_or_else(|_| "crontab".into())
+}
+
+fn read_crontab() -> anyhow::Result<String> {
+    let out = std::process::Command::new(crontab_cmd())
+        .arg("-l")
+        .output()?;
+    // `crontab -l` fails when the user has no crontab yet: that is an empty one.
+    Ok(if out.status.success() {
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    } else {
+        String::new()
+    })
+}
+
+fn write_crontab(text: &str) -> anyhow::Result<()> {
+    let mut child = std::process::Command::new(crontab_cmd())
+        .arg("-")
+        .stdin(std::process::Stdio::piped())
+        .spawn()?;
+    child
+        .stdin
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("crontab stdin"))?
+        .write_all(text.as_bytes())?;
+    anyhow::ensure!(child.wait()?.success(), "crontab - failed");
+    Ok(())
+}
+
+/// `crontab` text without this label's block.
+pub fn without_block(crontab: &str, label: &str) -> String {
+    let marker = format!("# bot:{label} ");
+    let mut out = Vec::new();
+    let mut skip_next = false;
+    for line in crontab.lines() {
+        if skip_next {
+            skip_next = false;
+            continue;
+        }
+        if line.starts_with(&marker) {
+            skip_next = true;
+            continue;
+        }
+        out.push(line);
+    }
+    let mut s = out.join("\n");
+    if !s.is_empty() {
+        s.push('\n');
+    }
+    s
+}
+
+fn plist_path(label: &str) -> anyhow::Result<PathBuf> {
+    let home = directories::BaseDirs::new().ok_or_else(|| anyhow::anyhow!("no home directory"))?;
+    Ok(home
+        .home_dir()
+        .join("Library/LaunchAgents")
+        .join(format!("{label}.plist")))
+}
+
+fn launchctl(args: &[&str]) -> anyhow::Result<bool> {
+    Ok(std::process::Command::new("launchctl")
+        .args(args)
+        .status()?
+        .success())
+}
+
+pub fn install(
+    config: Option<&Path>,
+    profile: Option<&str>,
+    spec: &ScheduleSpec,
+) -> anyhow::Result<()> {
+    let settings = load_settings(config, profile, &Overrides::default())?;
+    let j = job(&settings, spec)?;
+    let target = spec.target.unwrap_or_else(default_target);
+    let text = match target {
+        ScheduleTarget::Launchd => render_plist(&j),
+        ScheduleTarget::Cron => render_cron(&j).map_err(|e| anyhow::anyhow!(e))?,
+    };
+    if spec.print {
+        print!("{text}");
+        return Ok(());
+    }
+    if settings.password_file.value.is_none() && std::env::var("BOT_BSKY_APP_PASSWORD").is_ok() {
+        eprintln!(
+            "warning: scheduled runs do not see BOT_BSKY_APP_PASSWORD (secrets never go into the \
+             schedule): set `password_file` under [bluesky], or log in once so the cached session is used"
+        );
+    }
+    crate::bluesky::session::private_dir(&settings.paths.data_dir)?;
+    match target {
+        ScheduleTarget::Cron => {
+            let current = read_crontab()?;
+            write_crontab(&(without_block(&current, &j.label) + &text))?;
+            eprintln!("installed the crontab entry {}", j.label);
+        }
+        ScheduleTarget::Launchd => {
+            anyhow::ensure!(
+                cfg!(target_os = "macos"),
+                "launchd exists only on macOS: use --print to see the plist"
+            );
+            let path = plist_path(&j.label)?;
+            std::fs::create_dir_all(path.parent().unwrap_or(Path::new(".")))?;
+            let domain = format!("gui/{}", unsafe { libc::getuid() });
+            let _ = launchctl(&["bootout", &domain, &path.display().to_string()]);
+            std::fs::write(&path, text)?;
+            anyhow::ensure!(
+                launchctl(&["bootstrap", &domain, &path.display().to_string()])?,
+                "launchctl bootstrap {domain} {} failed",
+                path.display()
+            );
+            eprintln!("installed and loaded {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+pub fn show(
+    config: Option<&Path>,
+    profile: Option<&str>,
+    target: Option<ScheduleTarget>,
+) -> anyhow::Result<()> {
+    let settings = load_settings(config, profile, &Overrides::default())?;
+    let label = format!(
+        "com.github.bot.{}",
+        settings.profile.as_deref().unwrap_or("default")
+    );
+    match target.unwrap_or_else(default_target) {
+        ScheduleTarget::Cron => {
+            let c = read_crontab()?;
+            let marker = format!("# bot:{label} ");
+            let mut lines = c.lines().skip_while(|l| !l.starts_with(&marker));
+            match (lines.next(), lines.next()) {
+                (Some(m), Some(l)) => println!("{m}\n{l}"),
+                _ => eprintln!("no crontab entry for {label}"),
+            }
+        }
+        ScheduleTarget::Launchd => {
+            let p = plist_path(&label)?;
+            match std::fs::read_to_string(&p) {
+                Ok(t) => print!("{t}"),
+                Err(_) => eprintln!("no launchd agent at {}", p.display()),
+            }
+        }
+    }
+    Ok(())
+}
+
+pub fn remove(
+    config: Option<&Path>,
+    profile: Option<&str>,
+    target: Option<ScheduleTarget>,
+) -> anyhow::Result<()> {
+    let settings = load_settings(config, profile, &Overrides::default())?;
+    let label = format!(
+        "com.github.bot.{}",
+        settings.profile.as_deref().unwrap_or("default")
+    );
+    match target.unwrap_or_else(default_target) {
+        ScheduleTarget::Cron => {
+            let c = read_crontab()?;
+            let without = without_block(&c, &label);
+            if without != c {
+                write_crontab(&without)?;
+                eprintln!("removed the crontab entry {label}");
+            } else {
+                eprintln!("no crontab entry for {label}");
+            }
+        }
+        ScheduleTarget::Launchd => {
+            let p = plist_path(&label)?;
+            if p.exists() {
+                let domain = format!("gui/{}", unsafe { libc::getuid() });
+                let _ = launchctl(&["bootout", &domain, &p.display().to_string()]);
+                std::fs::remove_file(&p)?;
+                eprintln!("removed {}", p.display());
+            } else {
+                eprintln!("no launchd agent at {}", p.display());
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job() -> Job {
+        Job {
+            label: "com.github.bot.default".into(),
+            exe: "/usr/local/bin/bot".into(),
+            args: vec![
+                "run".into(),
+                "--mode".into(),
+                "queue".into(),
+                "--quiet-hours".into(),
+                "23:00-08:00".into(),
+            ],
+            every: Duration::from_secs(3600),
+            env: vec![("BOT_HOME".into(), "/home/me/bot home".into())],
+            log_path: "/home/me/bot home/schedule.log".into(),
+        }
+    }
+
+    #[test]
+    fn durations_and_quiet_hours() {
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+        assert_eq!(parse_duration("10m"), Ok(Duration::from_secs(600)));
+        assert!(parse_duration("0m").is_err() && parse_duration("x").is_err());
+        let w = parse_quiet("23:00-08:00").unwrap();
+        assert!(in_quiet(23 * 60 + 30, w) && in_quiet(7 * 60, w) && !in_quiet(12 * 60, w));
+        assert!(!in_quiet(8 * 60, w));
+    }
+
+    #[test]
+    fn cron_line() {
+        let c = render_cron(&job()).unwrap();
+        let lines: Vec<&str> = c.lines().collect();
+        assert_eq!(
+            lines[0],
+            "# bot:com.github.bot.default (managed by `bot schedule`; do not edit)"
+        );
+        assert_eq!(
+            lines[1],
+            "0 * * * * BOT_HOME='/home/me/bot home' /usr/local/bin/bot run --mode queue --quiet-hours 23:00-08:00 >> '/home/me/bot home/schedule.log' 2>&1"
+        );
+        let mut j = job();
+        j.every = Duration::from_secs(1800);
+        assert!(render_cron(&j).unwrap().contains("\n*/30 * * * * "));
+        j.every = Duration::from_secs(7 * 60);
+        assert!(render_cron(&j).is_err());
+        // Replacing a block keeps the user's other lines.
+        let tab = format!("MAILTO=me\n{c}5 4 * * * backup\n");
+        assert_eq!(
+            without_block(&tab, "com.github.bot.default"),
+            "MAILTO=me\n5 4 * * * backup\n"
+        );
+    }
+}
