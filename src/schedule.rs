@@ -307,7 +307,9 @@ pub fn render_cron(j: &Job) -> Result<String, String> {
     let when = match m {
         1..=59 if 60_u64.is_multiple_of(m) => format!("*/{m} * * * *"),
         60 => "0 * * * *".into(),
-        _ if m.is_multiple_of(60) && m / 60 < 24 && 24_u64.is_multiple_of(m / 60) => format!("0 */{} * * *", m / 60),
+        _ if m.is_multiple_of(60) && m / 60 < 24 && 24_u64.is_multiple_of(m / 60) => {
+            format!("0 */{} * * *", m / 60)
+        }
         1440 => "0 0 * * *".into(),
         _ => {
             return Err(format!(
