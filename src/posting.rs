@@ -9,7 +9,7 @@ use anyhow::Context;
 use rand::Rng;
 use serde_json::{json, Value};
 
-use crate::bluesky::record::{self, Span, POST_COLLECTION};
+use crate::bluesky::record::{self, POST_COLLECTION};
 use crate::bluesky::xrpc::RetryPolicy;
 use crate::bluesky::{self, Bluesky, BlueskyError, Credentials, Published};
 use crate::cli::{AccountArgs, DeleteArgs, GuardArgs, PostArgs};
@@ -268,14 +268,18 @@ fn dry_run(settings: &Settings, text: &str, json_out: bool) -> anyhow::Result<()
     Ok(())
 }
 
-/// Logs in (or reuses the session) and opens the store, settling interrupted sends first.
-pub fn connect(settings: &Settings) -> anyhow::Result<(Bluesky, Store)> {
+/// Runs `f` with the account logged in (or its session reused) and the store open, after
+/// settling interrupted sends.
+pub fn with_account<T>(
+    settings: &Settings,
+    f: impl FnOnce(&mut Bluesky, &Credentials, &Store) -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
     let pw = password_source(settings);
     let creds = credentials(settings, &pw);
     let mut client = Bluesky::connect(&creds, &settings.paths.data_dir, policy())?;
     let store = Store::open(&settings.paths.data_dir)?;
     reconcile(&mut client, &creds, &store)?;
-    Ok((client, store))
+    f(&mut client, &creds, &store)
 }
 
 /// Publishes the oldest approved draft; None when the queue has none.
@@ -283,22 +287,21 @@ pub fn publish_next(
     settings: &Settings,
     guard: &Guard,
 ) -> anyhow::Result<Option<(i64, Published)>> {
-    let (mut client, store) = connect(settings)?;
-    let pw = password_source(settings);
-    let creds = credentials(settings, &pw);
-    let Some(d) = store.next_approved()? else {
-        return Ok(None);
-    };
-    let (_, p) = publish(
-        &mut client,
-        &creds,
-        &store,
-        &d.text,
-        &settings.langs.value,
-        Some(d.id),
-        guard,
-    )?;
-    Ok(Some((d.id, p)))
+    with_account(settings, |client, creds, store| {
+        let Some(d) = store.next_approved()? else {
+            return Ok(None);
+        };
+        let (_, p) = publish(
+            client,
+            creds,
+            store,
+            &d.text,
+            &settings.langs.value,
+            Some(d.id),
+            guard,
+        )?;
+        Ok(Some((d.id, p)))
+    })
 }
 
 pub fn post(config: Option<&Path>, profile: Option<&str>, args: &PostArgs) -> anyhow::Result<()> {
@@ -355,18 +358,17 @@ pub fn post(config: Option<&Path>, profile: Option<&str>, args: &PostArgs) -> an
     if args.dry_run {
         return dry_run(&settings, &text, args.json);
     }
-    let (mut client, store) = connect(&settings)?;
-    let pw = password_source(&settings);
-    let creds = credentials(&settings, &pw);
-    let (rkey, published) = publish(
-        &mut client,
-        &creds,
-        &store,
-        &text,
-        &settings.langs.value,
-        None,
-        &guard,
-    )?;
+    let (rkey, published) = with_account(&settings, |client, creds, store| {
+        publish(
+            client,
+            creds,
+            store,
+            &text,
+            &settings.langs.value,
+            None,
+            &guard,
+        )
+    })?;
     if args.json {
         println!(
             "{}",
@@ -384,34 +386,34 @@ pub fn delete(
     args: &DeleteArgs,
 ) -> anyhow::Result<()> {
     let settings = settings_for(config, profile, &args.account, Overrides::default())?;
-    let pw = password_source(&settings);
-    let creds = credentials(&settings, &pw);
-    let mut client = Bluesky::connect(&creds, &settings.paths.data_dir, policy())?;
-    let store = Store::open(&settings.paths.data_dir)?;
-    let uri = if args.target == "last" {
-        store
-            .recent_posted(&client.session.did, 1)?
-            .into_iter()
-            .next()
-            .and_then(|r| r.uri)
-            .ok_or_else(|| anyhow::anyhow!("no post of {} in the local history", creds.handle))?
-    } else {
-        args.target.clone()
-    };
-    let (repo, collection, rkey) = bluesky::parse_at_uri(&uri).ok_or_else(|| {
-        anyhow::anyhow!("{uri:?} is not an at:// URI of the form at://DID/COLLECTION/RKEY")
-    })?;
-    if repo != client.session.did && !repo.eq_ignore_ascii_case(&client.session.handle) {
-        anyhow::bail!(
-            "{uri} belongs to {repo}, not to {} ({})",
-            client.session.handle,
-            client.session.did
-        );
-    }
-    client.delete(&creds, &collection, &rkey)?;
-    store.set_status(&rkey, "deleted")?;
-    println!("deleted {uri}");
-    Ok(())
+    with_account(&settings, |client, creds, store| {
+        let uri = if args.target == "last" {
+            store
+                .recent_posted(&client.session.did, 1)?
+                .into_iter()
+                .next()
+                .and_then(|r| r.uri)
+                .ok_or_else(|| {
+                    anyhow::anyhow!("no post of {} in the local history", creds.handle)
+                })?
+        } else {
+            args.target.clone()
+        };
+        let (repo, collection, rkey) = bluesky::parse_at_uri(&uri).ok_or_else(|| {
+            anyhow::anyhow!("{uri:?} is not an at:// URI of the form at://DID/COLLECTION/RKEY")
+        })?;
+        if repo != client.session.did && !repo.eq_ignore_ascii_case(&client.session.handle) {
+            anyhow::bail!(
+                "{uri} belongs to {repo}, not to {} ({})",
+                client.session.handle,
+                client.session.did
+            );
+        }
+        client.delete(creds, &collection, &rkey)?;
+        store.set_status(&rkey, "deleted")?;
+        println!("deleted {uri}");
+        Ok(())
+    })
 }
 
 pub fn whoami(
@@ -420,21 +422,20 @@ pub fn whoami(
     args: &AccountArgs,
 ) -> anyhow::Result<()> {
     let settings = settings_for(config, profile, args, Overrides::default())?;
-    let pw = password_source(&settings);
-    let creds = credentials(&settings, &pw);
-    let mut client = Bluesky::connect(&creds, &settings.paths.data_dir, policy())?;
-    let v: Value = client.whoami(&creds)?;
-    println!(
-        "{}",
-        json!({
-            "handle": v.get("handle"),
-            "did": v.get("did"),
-            "pds": client.session.pds,
-            "service": client.session.service,
-            "new_login": client.logins > 0,
-        })
-    );
-    Ok(())
+    with_account(&settings, |client, creds, _| {
+        let v: Value = client.whoami(creds)?;
+        println!(
+            "{}",
+            json!({
+                "handle": v.get("handle"),
+                "did": v.get("did"),
+                "pds": client.session.pds,
+                "service": client.session.service,
+                "new_login": client.logins > 0,
+            })
+        );
+        Ok(())
+    })
 }
 
 pub fn label_bot(
@@ -443,27 +444,15 @@ pub fn label_bot(
     args: &AccountArgs,
 ) -> anyhow::Result<()> {
     let settings = settings_for(config, profile, args, Overrides::default())?;
-    let pw = password_source(&settings);
-    let creds = credentials(&settings, &pw);
-    let mut client = Bluesky::connect(&creds, &settings.paths.data_dir, policy())?;
-    if client.label_bot(&creds)? {
-        println!("added the `bot` self-label to {}", client.session.handle);
-    } else {
-        println!(
-            "{} already carries the `bot` self-label",
-            client.session.handle
-        );
-    }
-    Ok(())
-}
-
-/// Mentions in `spans` (for callers that want to show them).
-pub fn mentions(spans: &[Span]) -> Vec<&str> {
-    spans
-        .iter()
-        .filter_map(|s| match s {
-            Span::Mention { handle, .. } => Some(handle.as_str()),
-            _ => None,
-        })
-        .collect()
+    with_account(&settings, |client, creds, _| {
+        if client.label_bot(creds)? {
+            println!("added the `bot` self-label to {}", client.session.handle);
+        } else {
+            println!(
+                "{} already carries the `bot` self-label",
+                client.session.handle
+            );
+        }
+        Ok(())
+    })
 }

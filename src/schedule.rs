@@ -164,25 +164,20 @@ fn auto(
         &commands::post_request(settings, &args.sampling, seed)?,
         &mut |_| {},
     )?;
-    let (mut client, store) = posting::connect(settings)?;
-    let id = crate::queue::save_draft(&store, &post, settings)?;
-    store.set_draft_status(id, crate::store::DraftStatus::Approved)?;
-    let pw = posting::password_source(settings);
-    let creds = crate::bluesky::Credentials {
-        service: settings.service.value.trim_end_matches('/').to_string(),
-        handle: settings.handle.value.clone().unwrap_or_default(),
-        password: &pw,
-    };
-    let (_, p) = posting::publish(
-        &mut client,
-        &creds,
-        &store,
-        &post.text,
-        &settings.langs.value,
-        Some(id),
-        guard,
-    )?;
-    Ok(p)
+    posting::with_account(settings, |client, creds, store| {
+        let id = crate::queue::save_draft(store, &post, settings)?;
+        store.set_draft_status(id, crate::store::DraftStatus::Approved)?;
+        let (_, p) = posting::publish(
+            client,
+            creds,
+            store,
+            &post.text,
+            &settings.langs.value,
+            Some(id),
+            guard,
+        )?;
+        Ok(p)
+    })
 }
 
 pub fn log(config: Option<&Path>, profile: Option<&str>, n: usize) -> anyhow::Result<()> {
@@ -232,16 +227,21 @@ fn job(settings: &Settings, spec: &ScheduleSpec) -> anyhow::Result<Job> {
         .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_string(), v)))
         .collect();
     Ok(Job {
-        label: format!(
-            "com.github.bot.{}",
-            settings.profile.as_deref().unwrap_or("default")
-        ),
+        label: label(settings),
         exe: std::env::current_exe()?,
         args,
         every,
         env,
         log_path: settings.paths.data_dir.join("schedule.log"),
     })
+}
+
+/// The launchd label and crontab marker of a profile's schedule.
+fn label(settings: &Settings) -> String {
+    format!(
+        "com.github.bot.{}",
+        settings.profile.as_deref().unwrap_or("default")
+    )
 }
 
 fn xml_escape(s: &str) -> String {
@@ -465,10 +465,7 @@ pub fn show(
     target: Option<ScheduleTarget>,
 ) -> anyhow::Result<()> {
     let settings = load_settings(config, profile, &Overrides::default())?;
-    let label = format!(
-        "com.github.bot.{}",
-        settings.profile.as_deref().unwrap_or("default")
-    );
+    let label = label(&settings);
     match target.unwrap_or_else(default_target) {
         ScheduleTarget::Cron => {
             let c = read_crontab()?;
@@ -496,10 +493,7 @@ pub fn remove(
     target: Option<ScheduleTarget>,
 ) -> anyhow::Result<()> {
     let settings = load_settings(config, profile, &Overrides::default())?;
-    let label = format!(
-        "com.github.bot.{}",
-        settings.profile.as_deref().unwrap_or("default")
-    );
+    let label = label(&settings);
     match target.unwrap_or_else(default_target) {
         ScheduleTarget::Cron => {
             let c = read_crontab()?;

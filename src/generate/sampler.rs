@@ -178,7 +178,7 @@ impl Sampler {
         let temperature = self.cfg.temperature;
         self.masked_logprobs(logits, history);
         if temperature == 0.0 {
-            return argmax(&self.scratch);
+            return crate::engine::Qwen3::argmax(&self.scratch);
         }
         // Categorical over logprobs / T: softmax with the max subtracted, then inverse CDF.
         let inv_t = 1.0 / temperature;
@@ -210,17 +210,6 @@ impl Sampler {
         }
         last_kept as u32
     }
-}
-
-/// Index of the largest value; ties go to the lowest index (numpy/mlx argmax).
-pub fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in x.iter().enumerate() {
-        if v > x[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 #[cfg(test)]
