@@ -377,24 +377,46 @@ fn dry_run_writes_nothing() {
     assert_eq!(list_posts(&pds, &acct.did), before);
 }
 
-/// A proxy that forwards to the PDS but loses one answer (or one request) to the first
-/// createRecord: the client must end with exactly one post either way.
-fn lossy_proxy(target: &str, drop_request: bool) -> (String, Arc<AtomicUsize>) {
+/// What a [`faulty_proxy`] does to the first createRecord it sees.
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub enum Fault {
+    /// The PDS applies the write, the answer is lost (the connection closes).
+    LoseAnswer,
+    /// The request never reaches the PDS (the connection closes).
+    LoseRequest,
+    /// The request is (or, with `forward: false`, is not) applied and the client is left
+    /// waiting for an answer that never comes, so the test can kill it mid-send.
+    Hold { forward: bool },
+}
+
+/// A proxy that forwards to the PDS except for the first createRecord, to which it applies
+/// `fault`; the returned receiver gets a message once that createRecord has been handled.
+pub fn faulty_proxy(
+    target: &str,
+    fault: Fault,
+) -> (String, Arc<AtomicUsize>, std::sync::mpsc::Receiver<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let target = target.trim_start_matches("http://").to_string();
     let creates = Arc::new(AtomicUsize::new(0));
     let c2 = creates.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for client in listener.incoming().flatten() {
-            let (target, creates) = (target.clone(), c2.clone());
-            std::thread::spawn(move || proxy_one(client, &target, &creates, drop_request));
+            let (target, creates, tx) = (target.clone(), c2.clone(), tx.clone());
+            std::thread::spawn(move || proxy_one(client, &target, &creates, fault, tx));
         }
     });
-    (format!("http://{addr}"), creates)
+    (format!("http://{addr}"), creates, rx)
 }
 
-fn proxy_one(client: TcpStream, target: &str, creates: &AtomicUsize, drop_request: bool) {
+fn proxy_one(
+    client: TcpStream,
+    target: &str,
+    creates: &AtomicUsize,
+    fault: Fault,
+    handled: std::sync::mpsc::Sender<()>,
+) {
     client.set_read_timeout(Some(Duration::from_secs(30))).ok();
     let mut r = BufReader::new(client.try_clone().unwrap());
     // One request per connection (upstream is told to close): head, then Content-Length bytes.
@@ -424,8 +446,17 @@ fn proxy_one(client: TcpStream, target: &str, creates: &AtomicUsize, drop_reques
     r.read_exact(&mut body).unwrap();
     let is_create = head.starts_with("POST /xrpc/com.atproto.repo.createRecord");
     let first_create = is_create && creates.fetch_add(1, Ordering::SeqCst) == 0;
-    if first_create && drop_request {
-        return; // the request never reaches the PDS; the connection just closes
+    // Keeps the client's connection open and silent until the client is killed.
+    let hold = || {
+        let _ = handled.send(());
+        std::thread::sleep(Duration::from_secs(90));
+    };
+    if first_create {
+        match fault {
+            Fault::LoseRequest => return drop(handled.send(())),
+            Fault::Hold { forward: false } => return hold(),
+            _ => {}
+        }
     }
     let head = head.replacen("\r\n", "\r\nConnection: close\r\n", 1);
     let mut up = TcpStream::connect(target).unwrap();
@@ -434,7 +465,11 @@ fn proxy_one(client: TcpStream, target: &str, creates: &AtomicUsize, drop_reques
     let mut resp = Vec::new();
     up.read_to_end(&mut resp).unwrap();
     if first_create {
-        return; // the PDS applied it, but the answer is lost
+        // The PDS applied it; the answer is lost or withheld.
+        return match fault {
+            Fault::Hold { .. } => hold(),
+            _ => drop(handled.send(())),
+        };
     }
     let _ = client.try_clone().unwrap().write_all(&resp);
 }
@@ -447,7 +482,12 @@ fn lost_answer_or_lost_request_still_makes_exactly_one_post() {
     for drop_request in [false, true] {
         let acct = account(&pds);
         let home = tempfile::tempdir().unwrap();
-        let (proxy, creates) = lossy_proxy(&pds.service, drop_request);
+        let fault = if drop_request {
+            Fault::LoseRequest
+        } else {
+            Fault::LoseAnswer
+        };
+        let (proxy, creates, _) = faulty_proxy(&pds.service, fault);
         let text = format!("exactly once (request dropped: {drop_request})");
         let start = Instant::now();
         let out = bot(&proxy, home.path(), &acct)

@@ -8,7 +8,7 @@ use std::time::Duration;
 use assert_cmd::Command;
 use serde_json::Value;
 
-use crate::bluesky_pds::{account, bot, list_posts, ok_stdout, pds_from};
+use crate::bluesky_pds::{account, bot, faulty_proxy, list_posts, ok_stdout, pds_from, Fault};
 use crate::common::*;
 
 fn local(home: &Path) -> Command {
@@ -183,6 +183,38 @@ fn schedule_print_install_show_remove() {
         assert!(plist.contains(key), "{key} missing:\n{plist}");
     }
     assert!(!plist.contains("s3cret"), "no secrets in the plist");
+    // It is a property list launchd can read: parse it and check the keys' values.
+    let v: plist::Value = plist::from_bytes(plist.as_bytes()).expect("a valid property list");
+    let d = v.as_dictionary().expect("a top-level dict");
+    assert_eq!(d["Label"].as_string(), Some("com.github.bot.default"));
+    assert_eq!(d["StartInterval"].as_signed_integer(), Some(7200));
+    let argv: Vec<&str> = d["ProgramArguments"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_string().unwrap())
+        .collect();
+    assert!(argv[0].ends_with("bot"), "{argv:?}");
+    assert!(
+        argv.windows(2).any(|w| w == ["--mode", "queue"]),
+        "{argv:?}"
+    );
+    assert!(
+        argv.windows(2).any(|w| w == ["--jitter", "10m"]),
+        "{argv:?}"
+    );
+    let env = d["EnvironmentVariables"].as_dictionary().unwrap();
+    assert_eq!(
+        env["BOT_HOME"].as_string(),
+        Some(home.path().to_str().unwrap())
+    );
+    assert!(env.keys().all(|k| !k.contains("PASSWORD")), "{env:?}");
+    for k in ["StandardOutPath", "StandardErrorPath"] {
+        assert!(d[k]
+            .as_string()
+            .unwrap()
+            .starts_with(home.path().to_str().unwrap()));
+    }
     let cron = ok_stdout(sched(&[
         "install", "--every", "30m", "--print", "--target", "cron",
     ]));
@@ -332,4 +364,187 @@ fn queue_publishing_is_exactly_once() {
     );
     assert!(String::from_utf8_lossy(&out.stderr).contains("similar"));
     assert_eq!(list_posts(&pds, &acct.did).len(), 2);
+}
+
+/// A `bot post --next` killed with SIGKILL while its createRecord is in flight (applied by
+/// the PDS or not) leaves the draft recoverable; the rerun settles it: one record, the draft
+/// `posted` with that record's uri, nothing lost, nothing sent twice.
+#[test]
+fn sigkill_mid_send_neither_loses_nor_duplicates() {
+    let Some(pds) = pds_from("BSKY_SERVICE") else {
+        return;
+    };
+    for forward in [true, false] {
+        let acct = account(&pds);
+        let home = tempfile::tempdir().unwrap();
+        ok_stdout(
+            local(home.path())
+                .args(["draft", "--seed", "31", "-q"])
+                .output()
+                .unwrap(),
+        );
+        ok_stdout(
+            local(home.path())
+                .args(["queue", "approve", "1"])
+                .output()
+                .unwrap(),
+        );
+        let (proxy, creates, handled) = faulty_proxy(&pds.service, Fault::Hold { forward });
+        let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("bot"))
+            .env("BOT_HOME", home.path())
+            .env("BOT_BSKY_SERVICE", &proxy)
+            .env("BOT_BSKY_HANDLE", &acct.handle)
+            .env("BOT_BSKY_APP_PASSWORD", &acct.app_password)
+            .args(["post", "--next"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        handled
+            .recv_timeout(Duration::from_secs(90))
+            .expect("createRecord reached the proxy");
+        child.kill().unwrap(); // SIGKILL on Unix
+        child.wait().unwrap();
+        assert_eq!(creates.load(std::sync::atomic::Ordering::SeqCst), 1);
+        let landed = if forward { 1 } else { 0 };
+        assert_eq!(
+            list_posts(&pds, &acct.did).len(),
+            landed,
+            "forward={forward}"
+        );
+        let d = drafts(home.path());
+        assert_eq!(d.len(), 1, "the draft survives the kill");
+        assert_eq!(d[0]["status"], "approved", "forward={forward}");
+
+        let out = bot(&pds.service, home.path(), &acct)
+            .args(["post", "--next"])
+            .output()
+            .unwrap();
+        ok_stdout(out);
+        let posts = list_posts(&pds, &acct.did);
+        assert_eq!(posts.len(), 1, "forward={forward}: {posts:?}");
+        let d = drafts(home.path());
+        assert_eq!(d[0]["status"], "posted");
+        assert_eq!(d[0]["uri"], posts[0]["uri"]);
+        assert_eq!(posts[0]["value"]["text"], d[0]["text"]);
+    }
+}
+
+/// Two profiles with two accounts: each keeps its own session file, queue and history, and
+/// each posts to its own account.
+#[test]
+fn two_profiles_keep_separate_sessions_and_accounts() {
+    let Some(pds) = pds_from("BSKY_SERVICE") else {
+        return;
+    };
+    let home = tempfile::tempdir().unwrap();
+    let (a, b) = (account(&pds), account(&pds));
+    let pw = |name: &str, acct: &crate::bluesky_pds::Account| {
+        let f = home.path().join(format!("{name}.pw"));
+        std::fs::write(&f, &acct.app_password).unwrap();
+        f
+    };
+    let (pa, pb) = (pw("a", &a), pw("b", &b));
+    std::fs::write(
+        home.path().join("config.toml"),
+        format!(
+            "[profiles.a.bluesky]\nhandle = \"{}\"\npassword_file = \"{}\"\n\
+             [profiles.b.bluesky]\nhandle = \"{}\"\npassword_file = \"{}\"\n",
+            a.handle,
+            pa.display(),
+            b.handle,
+            pb.display()
+        ),
+    )
+    .unwrap();
+    let post = |profile: &str, text: &str| {
+        let mut c = local(home.path());
+        c.env("BOT_BSKY_SERVICE", &pds.service)
+            .env("BOT_RETRY_TOTAL_S", "20")
+            .args(["--profile", profile, "post", "--text", text]);
+        ok_stdout(c.output().unwrap()).trim().to_string()
+    };
+    let ua = post("a", "from profile a");
+    let ub = post("b", "from profile b");
+    assert!(ua.contains(&a.did), "{ua}");
+    assert!(ub.contains(&b.did), "{ub}");
+    assert_eq!(list_posts(&pds, &a.did).len(), 1);
+    assert_eq!(list_posts(&pds, &b.did).len(), 1);
+    let session = |p: &str| -> Value {
+        let f = home.path().join("profiles").join(p).join("session.json");
+        serde_json::from_str(&std::fs::read_to_string(f).unwrap()).unwrap()
+    };
+    assert_eq!(session("a")["did"], a.did.as_str());
+    assert_eq!(session("b")["did"], b.did.as_str());
+    // Second posts reuse each profile's own session (the password files are gone).
+    std::fs::remove_file(&pa).unwrap();
+    std::fs::remove_file(&pb).unwrap();
+    post("a", "again from a");
+    post("b", "again from b");
+    assert_eq!(list_posts(&pds, &a.did).len(), 2);
+    assert_eq!(list_posts(&pds, &b.did).len(), 2);
+    for p in ["a", "b"] {
+        let store = bot::store::Store::open(&home.path().join("profiles").join(p)).unwrap();
+        assert_eq!(store.count_posts("posted").unwrap(), 2, "profile {p}");
+    }
+    assert!(!home.path().join("session.json").exists());
+}
+
+/// `bot review` in a real pseudo-terminal: edit in $EDITOR, approve, regenerate, skip, reject.
+#[cfg(unix)]
+#[test]
+fn review_in_a_pseudo_terminal() {
+    use std::os::unix::fs::PermissionsExt;
+    let home = tempfile::tempdir().unwrap();
+    ok_stdout(
+        local(home.path())
+            .args(["draft", "-n", "3", "--seed", "41", "-q"])
+            .output()
+            .unwrap(),
+    );
+    // An editor that rewrites the file it is given, as a user would.
+    let editor = home.path().join("editor.sh");
+    std::fs::write(
+        &editor,
+        "#!/bin/sh\nprintf 'Edited in the editor, kept as typed.\\n' > \"$1\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&editor, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut cmd = std::process::Command::new(assert_cmd::cargo::cargo_bin("bot"));
+    cmd.env("BOT_HOME", home.path())
+        .env("BOT_MODEL", fixtures().join("q4g64"))
+        .env("BOT_ADAPTER", fixtures().join("adapter"))
+        .env("HF_HUB_OFFLINE", "1")
+        .env("EDITOR", &editor)
+        .env_remove("VISUAL")
+        .args(["review", "--seed", "77"]);
+    let mut p = rexpect::session::spawn_command(cmd, Some(120_000)).unwrap();
+    p.exp_string("#1 (").unwrap();
+    p.exp_string("[q]uit > ").unwrap();
+    p.send_line("e").unwrap();
+    p.exp_string("Edited in the editor, kept as typed.")
+        .unwrap();
+    p.exp_string("[q]uit > ").unwrap();
+    p.send_line("a").unwrap();
+    p.exp_string("#2 (").unwrap();
+    p.exp_string("[q]uit > ").unwrap();
+    p.send_line("g").unwrap();
+    // The replacement comes up at once, before the drafts that were waiting.
+    p.exp_string("#4 (").unwrap();
+    p.exp_string("[q]uit > ").unwrap();
+    p.send_line("s").unwrap();
+    p.exp_string("#3 (").unwrap();
+    p.exp_string("[q]uit > ").unwrap();
+    p.send_line("r").unwrap();
+    p.exp_string("1 approved draft(s) waiting").unwrap();
+    p.exp_eof().unwrap();
+    let d = drafts(home.path());
+    let status: Vec<&str> = d.iter().map(|x| x["status"].as_str().unwrap()).collect();
+    assert_eq!(status, vec!["approved", "rejected", "rejected", "new"]);
+    assert_eq!(d[0]["text"], "Edited in the editor, kept as typed.");
+    assert_ne!(d[0]["raw"], d[0]["text"], "the model's raw output is kept");
+    assert_eq!(
+        d[3]["seed"], 77,
+        "the regenerated draft uses the review's seed"
+    );
 }
