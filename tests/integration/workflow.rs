@@ -364,6 +364,32 @@ fn queue_publishing_is_exactly_once() {
     );
     assert!(String::from_utf8_lossy(&out.stderr).contains("similar"));
     assert_eq!(list_posts(&pds, &acct.did).len(), 2);
+
+    // The training-data check: a memorized span is refused, an original text goes out.
+    let train = home.path().join("train.jsonl");
+    std::fs::write(
+        &train,
+        r#"{"messages":[{"role":"user","content":"Write a post."},{"role":"assistant","content":"Spent the whole weekend rewriting the parser and it is finally twice as fast."}]}"#,
+    )
+    .unwrap();
+    let guarded = |text: &str| {
+        bot(&pds.service, home.path(), &acct)
+            .args(["post", "--training-data"])
+            .arg(&train)
+            .args(["--text", text])
+            .output()
+            .unwrap()
+    };
+    let out = guarded(
+        "News: spent the whole weekend rewriting the parser and it is finally twice as fast!",
+    );
+    assert_eq!(out.status.code(), Some(7));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("training data"));
+    assert_eq!(list_posts(&pds, &acct.did).len(), 2);
+    ok_stdout(guarded(
+        "A quiet evening with a good book and no compiler errors.",
+    ));
+    assert_eq!(list_posts(&pds, &acct.did).len(), 3);
 }
 
 /// A `bot post --next` killed with SIGKILL while its createRecord is in flight (applied by
