@@ -72,6 +72,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let opts = ModelOptions {
         device: dev.clone(),
         kernel: kernel(args.kernel),
+        route: args.qmatmul,
     };
     let (mut model, load_s, name) = if let Some(dir) = &args.model {
         let t = Instant::now();

@@ -6,6 +6,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::engine::device::DeviceKind;
 use crate::engine::synthetic::Shape;
+use crate::engine::QMatmulRoute;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -87,6 +88,9 @@ pub struct ModelArgs {
     /// CPU kernel for the quantized matmuls
     #[arg(long, value_enum, default_value_t = KernelArg::Fast)]
     pub kernel: KernelArg,
+    /// Kernels for the quantized projections: ours on the MLX layout, or candle's on Q4_1
+    #[arg(long, value_enum, default_value_t = QMatmulRoute::Native)]
+    pub qmatmul: QMatmulRoute,
 }
 
 /// How posts are written.
@@ -364,6 +368,11 @@ pub struct ForwardArgs {
     /// CPU kernel for the quantized matmuls
     #[arg(long, value_enum, default_value_t = KernelArg::Exact)]
     pub kernel: KernelArg,
+    /// Kernels for the quantized projections: ours on the MLX layout, or candle's on Q4_1
+    #[arg(long, value_enum, default_value_t = QMatmulRoute::Native)]
+    pub qmatmul: QMatmulRoute,
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    pub device: DeviceKind,
     /// Worker threads (default: all cores)
     #[arg(long)]
     pub threads: Option<usize>,
@@ -406,6 +415,9 @@ pub struct BenchArgs {
     /// CPU kernel for the quantized matmuls
     #[arg(long, value_enum, default_value_t = KernelArg::Fast)]
     pub kernel: KernelArg,
+    /// Kernels for the quantized projections: ours on the MLX layout, or candle's on Q4_1
+    #[arg(long, value_enum, default_value_t = QMatmulRoute::Native)]
+    pub qmatmul: QMatmulRoute,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// One JSON object on stdout instead of a table

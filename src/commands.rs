@@ -73,6 +73,7 @@ pub fn load_generator(
     let opts = ModelOptions {
         device: device::select(kind)?,
         kernel: kernel(m.kernel),
+        route: m.qmatmul,
     };
     let t = Instant::now();
     let generator = Generator::load(&model_dir, adapter_dir.as_deref(), &opts)

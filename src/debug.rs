@@ -36,7 +36,8 @@ pub fn forward(args: &ForwardArgs) -> anyhow::Result<()> {
     init_threads(args.threads);
     let opts = ModelOptions {
         kernel: kernel(args.kernel),
-        ..ModelOptions::default()
+        route: args.qmatmul,
+        device: crate::engine::device::select(args.device)?,
     };
     let mut model = engine::load(&args.model, args.adapter.as_deref(), &opts)
         .with_context(|| format!("loading the model from {}", args.model.display()))?;

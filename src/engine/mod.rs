@@ -9,7 +9,10 @@ pub mod lora;
 pub mod profile;
 pub mod quant;
 pub mod quant_cpu;
+#[cfg(feature = "cuda")]
+pub mod quant_cuda;
 pub mod qwen3;
+pub mod repack;
 pub mod synthetic;
 pub mod weights;
 
@@ -19,7 +22,7 @@ pub use config::{QuantParams, Qwen3Config};
 pub use error::{EngineError, Result};
 pub use lora::Adapter;
 pub use quant::{CpuKernel, QMatrix};
-pub use qwen3::{ModelOptions, Qwen3};
+pub use qwen3::{ModelOptions, QMatmulRoute, Qwen3};
 pub use weights::WeightStore;
 
 /// Loads `model_dir` (and `adapter_dir`, if given) into a ready model.

@@ -83,6 +83,21 @@ pub struct QMatrix {
     pub packed: Bytes,
     pub scales: GroupParams,
     pub biases: GroupParams,
+    /// Copies on accelerators, made on first use there.
+    pub device_copy: DeviceCopy,
+}
+
+/// A matrix's copies on the accelerators compiled in (none on a CPU-only build).
+#[derive(Default, Clone)]
+pub struct DeviceCopy {
+    #[cfg(feature = "cuda")]
+    pub(crate) cuda: super::quant_cuda::CudaCopy,
+}
+
+impl std::fmt::Debug for DeviceCopy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DeviceCopy")
+    }
 }
 
 impl QMatrix {
@@ -159,6 +174,7 @@ impl QMatrix {
                 dtype: biases.dtype,
                 bytes: biases.bytes,
             },
+            device_copy: DeviceCopy::default(),
         })
     }
 
@@ -311,11 +327,60 @@ impl CustomOp1 for QMatMul {
         *out.last_mut().unwrap_or(&mut 0) = self.w.rows;
         Ok((CpuStorage::F32(y), Shape::from(out)))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        super::quant_cuda::qmatmul_fwd(&self.w, self.kernel, s, l)
+    }
+}
+
+/// Rows of a quantized table (the embedding), dequantized: ids `(L,)` U32 -> `(L, cols)` f32.
+/// Ids are range-checked by the caller.
+pub struct QGather {
+    pub w: Arc<QMatrix>,
+}
+
+impl CustomOp1 for QGather {
+    fn name(&self) -> &'static str {
+        "mlx-affine-gather"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let CpuStorage::U32(ids) = s else {
+            candle_core::bail!("{}: gather takes U32 ids", self.w.name);
+        };
+        let Some((o0, o1)) = l.contiguous_offsets() else {
+            candle_core::bail!("{}: gather ids must be contiguous", self.w.name);
+        };
+        let k = self.w.cols;
+        let mut out = vec![0f32; (o1 - o0) * k];
+        for (row, &id) in out.chunks_exact_mut(k).zip(&ids[o0..o1]) {
+            self.w.dequantize_row(id as usize, row);
+        }
+        Ok((CpuStorage::F32(out), Shape::from((o1 - o0, k))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        super::quant_cuda::gather_fwd(&self.w, s, l)
+    }
 }
 
 /// Applies the fused op to `x (..., cols)`, giving `(..., rows)`.
 pub fn qmatmul(x: &Tensor, w: &Arc<QMatrix>, kernel: CpuKernel) -> Result<Tensor> {
-    let x = x.contiguous()?;
+    let mut x = x.contiguous()?;
+    if !x.device().is_cpu() && x.layout().start_offset() % 4 != 0 {
+        // GPU kernels load x in 16-byte vectors
+        x = x.copy()?;
+    }
     Ok(x.apply_op1_no_bwd(&QMatMul {
         w: w.clone(),
         kernel,
@@ -370,6 +435,7 @@ pub(crate) mod testutil {
                 dtype: sdtype,
                 bytes: Bytes::from_vec(biases),
             },
+            device_copy: DeviceCopy::default(),
         }
     }
 }

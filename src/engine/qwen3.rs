@@ -15,7 +15,8 @@ use super::config::Qwen3Config;
 use super::error::{EngineError, Result};
 use super::lora::{Adapter, LoraBranch};
 use super::profile::{self, Part};
-use super::quant::{qmatmul, CpuKernel, QMatrix};
+use super::quant::{qmatmul, CpuKernel, QGather, QMatrix};
+use super::repack;
 use super::weights::WeightStore;
 
 /// Run-time choices that do not change the model.
@@ -23,6 +24,7 @@ use super::weights::WeightStore;
 pub struct ModelOptions {
     pub device: Device,
     pub kernel: CpuKernel,
+    pub route: QMatmulRoute,
 }
 
 impl Default for ModelOptions {
@@ -30,14 +32,31 @@ impl Default for ModelOptions {
         ModelOptions {
             device: Device::Cpu,
             kernel: CpuKernel::Exact,
+            route: QMatmulRoute::Native,
         }
     }
 }
 
-/// A weight matrix [out, in]: MLX-quantized, or dense (modules mlx_lm left unquantized).
+/// Which kernels run the quantized projections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum QMatmulRoute {
+    /// Our fused kernels on the MLX layout (every width and group size)
+    #[default]
+    Native,
+    /// Repack 4-bit weights to candle's Q4_1 at load time and run candle's kernels
+    /// (other widths, and values f16 cannot hold exactly, stay native)
+    Repack,
+}
+
+/// A weight matrix [out, in]: MLX-quantized, repacked to candle's Q4_1, or dense (modules
+/// mlx_lm left unquantized).
 #[derive(Debug, Clone)]
 pub enum Weight {
     Quant(Arc<QMatrix>),
+    Repacked {
+        mm: Arc<candle_core::quantized::QMatMul>,
+        nbytes: usize,
+    },
     Dense(Tensor),
 }
 
@@ -81,7 +100,30 @@ impl Weight {
     pub fn nbytes(&self) -> usize {
         match self {
             Weight::Quant(q) => q.nbytes(),
+            Weight::Repacked { nbytes, .. } => *nbytes,
             Weight::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
+        }
+    }
+
+    /// The weight as `route` wants it for a projection; the repack keeps the native layout
+    /// for matrices it cannot represent exactly, and says so once.
+    fn routed(self, opts: &ModelOptions) -> Result<Self> {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        static SAID: AtomicBool = AtomicBool::new(false);
+        match (&self, opts.route) {
+            (Weight::Quant(q), QMatmulRoute::Repack) => match repack::qmatmul(q, &opts.device)? {
+                Ok(mm) => Ok(Weight::Repacked {
+                    mm: Arc::new(mm),
+                    nbytes: q.rows * q.cols / 32 * repack::Q4_1_BLOCK_BYTES,
+                }),
+                Err(e) => {
+                    if !SAID.swap(true, Ordering::Relaxed) {
+                        eprintln!("--qmatmul repack: {e}; such matrices keep the native kernels");
+                    }
+                    Ok(self)
+                }
+            },
+            _ => Ok(self),
         }
     }
 }
@@ -105,7 +147,7 @@ impl Linear {
         adapter: &mut Option<Adapter>,
         opts: &ModelOptions,
     ) -> Result<Self> {
-        let weight = Weight::load(store, cfg, name, out, inp, &opts.device)?;
+        let weight = Weight::load(store, cfg, name, out, inp, &opts.device)?.routed(opts)?;
         let lora = match adapter {
             Some(a) => a.take(name, inp, out)?,
             None => None,
@@ -123,6 +165,7 @@ impl Linear {
         let t = Instant::now();
         let y = match &self.weight {
             Weight::Quant(q) => qmatmul(x, q, self.kernel)?,
+            Weight::Repacked { mm, .. } => candle_core::Module::forward(mm.as_ref(), x)?,
             Weight::Dense(w) => x.matmul(&w.t()?)?,
         };
         profile::add(self.part, t);
@@ -142,34 +185,29 @@ impl Linear {
 #[derive(Debug, Clone)]
 pub struct Embedding {
     pub weight: Weight,
-    hidden: usize,
 }
 
 impl Embedding {
-    /// ids -> (L, H)
-    pub fn forward(&self, ids: &[u32]) -> Result<Tensor> {
+    /// ids -> (L, H) on `dev`
+    pub fn forward(&self, ids: &[u32], dev: &Device) -> Result<Tensor> {
         match &self.weight {
             Weight::Quant(q) => {
-                let mut out = vec![0f32; ids.len() * self.hidden];
-                for (row, &id) in out.chunks_exact_mut(self.hidden).zip(ids) {
-                    if id as usize >= q.rows {
-                        return Err(EngineError::Invalid(format!(
-                            "token id {id} is outside the vocabulary (size {})",
-                            q.rows
-                        )));
-                    }
-                    q.dequantize_row(id as usize, row);
+                if let Some(&id) = ids.iter().find(|&&id| id as usize >= q.rows) {
+                    return Err(EngineError::Invalid(format!(
+                        "token id {id} is outside the vocabulary (size {})",
+                        q.rows
+                    )));
                 }
-                Ok(Tensor::from_vec(
-                    out,
-                    (ids.len(), self.hidden),
-                    &Device::Cpu,
-                )?)
+                let idx = Tensor::new(ids, dev)?;
+                Ok(idx.apply_op1_no_bwd(&QGather { w: q.clone() })?)
             }
             Weight::Dense(t) => {
                 let idx = Tensor::new(ids, t.device())?;
-                Ok(t.index_select(&idx, 0)?)
+                Ok(t.index_select(&idx, 0)?.to_device(dev)?)
             }
+            Weight::Repacked { .. } => Err(EngineError::Invalid(
+                "the embedding table is gathered natively, never repacked".into(),
+            )),
         }
     }
 }
@@ -438,7 +476,7 @@ impl Qwen3 {
             .collect::<Result<Vec<_>>>()?;
         let lm_head = if cfg.tie_word_embeddings {
             Linear {
-                weight: embed.clone(),
+                weight: embed.clone().routed(opts)?,
                 lora: None,
                 kernel: opts.kernel,
                 part: Part::Head,
@@ -454,10 +492,7 @@ impl Qwen3 {
         }
         Ok(Qwen3 {
             norm: rms_norm_weight(store, "model.norm.weight", h, &opts.device)?,
-            embed_tokens: Embedding {
-                weight: embed,
-                hidden: h,
-            },
+            embed_tokens: Embedding { weight: embed },
             layers,
             lm_head,
             offset: 0,
@@ -486,6 +521,25 @@ impl Qwen3 {
             l.self_attn.kv.reset();
             l.self_attn.host_kv.clear();
         }
+    }
+
+    /// Projections (and the head) running on candle's Q4_1 kernels after `--qmatmul repack`.
+    pub fn repacked_projections(&self) -> usize {
+        let r = |l: &Linear| matches!(l.weight, Weight::Repacked { .. }) as usize;
+        self.layers
+            .iter()
+            .map(|l| {
+                let a = &l.self_attn;
+                r(&a.q_proj)
+                    + r(&a.k_proj)
+                    + r(&a.v_proj)
+                    + r(&a.o_proj)
+                    + r(&l.mlp.gate_proj)
+                    + r(&l.mlp.up_proj)
+                    + r(&l.mlp.down_proj)
+            })
+            .sum::<usize>()
+            + r(&self.lm_head)
     }
 
     /// Bytes of weights one decode step reads (every projection, the head, one embedding row).
@@ -521,7 +575,7 @@ impl Qwen3 {
                 "forward needs at least one token".into(),
             ));
         }
-        let mut x = self.embed_tokens.forward(ids)?.to_device(&self.device)?; // (L, H)
+        let mut x = self.embed_tokens.forward(ids, &self.device)?; // (L, H)
         let rope = rope_tables(&self.cfg, self.offset, l, &self.device)?;
         let t = self.offset + l;
         let mask = if l > 1 {

@@ -5,8 +5,26 @@ use std::path::{Path, PathBuf};
 use bot::engine::weights::SafetensorsFile;
 use serde_json::Value;
 
+/// The committed fixtures; `BOT_FIXTURES` points elsewhere (a test binary run on another
+/// machine, such as the GPU machine, where the source tree sits at another path).
 pub fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny")
+    match std::env::var_os("BOT_FIXTURES") {
+        Some(p) => PathBuf::from(p),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny"),
+    }
+}
+
+/// The device the engine tests run on: `BOT_TEST_DEVICE` (cpu, cuda, metal), CPU by default.
+/// A device that is asked for but missing fails the test rather than falling back.
+pub fn test_device() -> candle_core::Device {
+    use bot::engine::device::{select, DeviceKind};
+    let kind = match std::env::var("BOT_TEST_DEVICE").as_deref() {
+        Ok("cuda") => DeviceKind::Cuda,
+        Ok("metal") => DeviceKind::Metal,
+        Ok("cpu") | Err(_) => DeviceKind::Cpu,
+        Ok(other) => panic!("BOT_TEST_DEVICE={other}: expected cpu, cuda or metal"),
+    };
+    select(kind).expect("BOT_TEST_DEVICE names a device this build or machine lacks")
 }
 
 pub fn manifest() -> Value {

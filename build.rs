@@ -1,0 +1,42 @@
+//! Compiles the CUDA kernels of the fused quantized matmul (`src/engine/cuda/qmatmul.cu`) to PTX
+//! when the `cuda` feature is on; the PTX is embedded in the binary and JIT-compiled by the
+//! driver for the GPU it meets. `NVCC` or `CUDA_HOME` locate nvcc (else `nvcc` on PATH);
+//! `CUDA_COMPUTE_CAP` (e.g. 90 for H100) picks the virtual architecture, 80 by default (the
+//! TF32 tensor-core prefill kernel needs 8.0 or newer).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn main() {
+    println!("cargo:rerun-if-changed=src/engine/cuda/qmatmul.cu");
+    println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
+    println!("cargo:rerun-if-env-changed=NVCC");
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
+        return;
+    }
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR")).join("qmatmul.ptx");
+    let nvcc = std::env::var("NVCC").ok().unwrap_or_else(|| {
+        std::env::var("CUDA_HOME")
+            .map(|h| format!("{h}/bin/nvcc"))
+            .unwrap_or_else(|_| "nvcc".into())
+    });
+    let cap = std::env::var("CUDA_COMPUTE_CAP")
+        .ok()
+        .map(|c| c.trim().trim_start_matches("sm_").replace('.', ""))
+        .filter(|c| !c.is_empty())
+        .unwrap_or_else(|| "80".into());
+    let status = Command::new(&nvcc)
+        .args(["--ptx", "-O3", "-std=c++17"])
+        .arg(format!("-arch=compute_{cap}"))
+        .arg("-o")
+        .arg(&out)
+        .arg("src/engine/cuda/qmatmul.cu")
+        .status()
+        .unwrap_or_else(|e| {
+            panic!("the `cuda` feature needs nvcc: could not run `{nvcc}` ({e}); set NVCC or CUDA_HOME")
+        });
+    assert!(
+        status.success(),
+        "nvcc failed on src/engine/cuda/qmatmul.cu ({status})"
+    );
+}

@@ -1,0 +1,256 @@
+//! CUDA forward of the fused quantized matmul and the quantized embedding gather: each
+//! `QMatrix` is uploaded once, as stored (packed codes, raw scales and biases), and the kernels
+//! of `cuda/qmatmul.cu` (PTX built by `build.rs`) run on it. Few rows of x take the fp32 `qmv`
+//! kernel; many rows take the TF32 tensor-core `qmm` kernel unless the exact kernel is asked for.
+
+use std::sync::{Arc, OnceLock};
+
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaDevice, CudaStorage, Layout, Shape};
+
+use super::quant::{CpuKernel, QMatrix};
+use super::weights::Dtype;
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/qmatmul.ptx"));
+const MODULE: &str = "bot_qmatmul";
+/// Rows of x up to which the decode kernel is used (it reuses the codes across them).
+const QMV_MAX_ROWS: usize = 8;
+
+/// A `QMatrix` resident on one GPU.
+pub struct GpuQMatrix {
+    packed: CudaSlice<u8>,
+    scales: CudaSlice<u8>,
+    biases: CudaSlice<u8>,
+    sdtype: i32,
+}
+
+/// The lazily made device copy, kept beside the host matrix.
+#[derive(Default, Clone)]
+pub struct CudaCopy(OnceLock<Arc<GpuQMatrix>>);
+
+fn dtype_code(d: Dtype) -> i32 {
+    match d {
+        Dtype::BF16 => 0,
+        Dtype::F16 => 1,
+        _ => 2,
+    }
+}
+
+fn resident(w: &QMatrix, dev: &CudaDevice) -> candle_core::Result<Arc<GpuQMatrix>> {
+    if let Some(g) = w.device_copy.cuda.0.get() {
+        return Ok(g.clone());
+    }
+    let g = Arc::new(GpuQMatrix {
+        packed: dev.clone_htod(&w.packed[..])?,
+        scales: dev.clone_htod(&w.scales.bytes[..])?,
+        biases: dev.clone_htod(&w.biases.bytes[..])?,
+        sdtype: dtype_code(w.scales.dtype),
+    });
+    Ok(w.device_copy.cuda.0.get_or_init(|| g).clone())
+}
+
+fn f32_input<'a>(
+    w: &QMatrix,
+    s: &'a CudaStorage,
+    l: &Layout,
+) -> candle_core::Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, f32>> {
+    let x = s.as_cuda_slice::<f32>().map_err(|_| {
+        candle_core::Error::Msg(format!(
+            "{}: the CUDA qmatmul takes f32 activations, got {:?}",
+            w.name,
+            s.dtype()
+        ))
+    })?;
+    let Some((o0, o1)) = l.contiguous_offsets() else {
+        candle_core::bail!("{}: qmatmul input must be contiguous", w.name);
+    };
+    if o0 % 4 != 0 {
+        candle_core::bail!("{}: qmatmul input must start 16-byte aligned", w.name);
+    }
+    Ok(x.slice(o0..o1))
+}
+
+/// `x (..., cols) -> (..., rows)` on the GPU.
+pub fn qmatmul_fwd(
+    w: &QMatrix,
+    kernel: CpuKernel,
+    s: &CudaStorage,
+    l: &Layout,
+) -> candle_core::Result<(CudaStorage, Shape)> {
+    let dev = s.device();
+    let (n, k) = (w.rows, w.cols);
+    let x = f32_input(w, s, l)?;
+    let m = x.len() / k;
+    let g = resident(w, dev)?;
+    // SAFETY: every element is written by the kernel below.
+    let y = unsafe { dev.alloc::<f32>(m * n)? };
+    let (name, cfg) = if m > QMV_MAX_ROWS && kernel != CpuKernel::Exact {
+        (
+            "qmm_tf32",
+            LaunchConfig {
+                grid_dim: (n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            },
+        )
+    } else {
+        (
+            "qmv_f32",
+            LaunchConfig {
+                grid_dim: (n.div_ceil(8) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+        )
+    };
+    let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+    let mut b = func.builder();
+    b.arg(&x);
+    b.arg(&g.packed);
+    b.arg(&g.scales);
+    b.arg(&g.biases);
+    b.arg(&y);
+    let dims = [
+        m as i32,
+        n as i32,
+        k as i32,
+        w.params.bits as i32,
+        w.params.group_size as i32,
+        g.sdtype,
+    ];
+    for d in &dims {
+        b.arg(d);
+    }
+    // SAFETY: the kernel's arguments match qmatmul.cu's signature; sizes were checked above.
+    unsafe { b.launch(cfg) }.w()?;
+    let mut out = l.shape().dims().to_vec();
+    if let Some(last) = out.last_mut() {
+        *last = n;
+    }
+    Ok((
+        CudaStorage::wrap_cuda_slice(y, dev.clone()),
+        Shape::from(out),
+    ))
+}
+
+/// Rows `ids (L,)` of the table, dequantized: `(L, cols)` f32.
+pub fn gather_fwd(
+    w: &QMatrix,
+    s: &CudaStorage,
+    l: &Layout,
+) -> candle_core::Result<(CudaStorage, Shape)> {
+    let dev = s.device();
+    let ids = s.as_cuda_slice::<u32>()?;
+    let Some((o0, o1)) = l.contiguous_offsets() else {
+        candle_core::bail!("{}: gather ids must be contiguous", w.name);
+    };
+    let ids = ids.slice(o0..o1);
+    let (len, k) = (o1 - o0, w.cols);
+    let g = resident(w, dev)?;
+    // SAFETY: every element is written by the kernel below.
+    let out = unsafe { dev.alloc::<f32>(len * k)? };
+    let func = dev.get_or_load_custom_func("qgather_f32", MODULE, PTX)?;
+    let mut b = func.builder();
+    b.arg(&ids);
+    b.arg(&g.packed);
+    b.arg(&g.scales);
+    b.arg(&g.biases);
+    b.arg(&out);
+    let dims = [
+        k as i32,
+        w.params.bits as i32,
+        w.params.group_size as i32,
+        g.sdtype,
+    ];
+    for d in &dims {
+        b.arg(d);
+    }
+    let cfg = LaunchConfig {
+        grid_dim: ((k / 16).div_ceil(128) as u32, len as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: as above; ids were range-checked on the host by the caller.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        Shape::from((len, k)),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    //! Kernels against the slow reference on the GPU (a `cuda` build's tests need one).
+    use super::*;
+    use crate::engine::quant::{qmatmul, testutil::random_qmatrix, QGather};
+    use candle_core::{Device, Tensor};
+    use rand::{Rng, SeedableRng};
+
+    fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+        got.iter()
+            .zip(want)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+            / scale
+    }
+
+    #[test]
+    fn qmatmul_kernels_match_the_reference_on_the_gpu() {
+        let dev = Device::new_cuda(0).expect("a `cuda` build's tests need a GPU");
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for bits in [2, 3, 4, 5, 6, 8] {
+            for gs in [32, 64, 128] {
+                for (rows, cols) in [(40, 256), (100, 384), (8, 640)] {
+                    let sd = [Dtype::BF16, Dtype::F16, Dtype::F32][(bits + gs) % 3];
+                    let w = Arc::new(random_qmatrix(
+                        rows,
+                        cols,
+                        bits,
+                        gs,
+                        sd,
+                        bits as u64 * 31 + gs as u64,
+                    ));
+                    for m in [1, 5, 8, 9, 64, 100] {
+                        let x: Vec<f32> = (0..m * cols)
+                            .map(|_| rng.random_range(-1f32..1.0))
+                            .collect();
+                        let want = w.matmul_reference(&x, m);
+                        let xt = Tensor::from_vec(x, (m, cols), &dev).unwrap();
+                        for (kernel, tol) in [(CpuKernel::Exact, 1e-5), (CpuKernel::Fast, 3e-3)] {
+                            let y = qmatmul(&xt, &w, kernel).unwrap();
+                            let got: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();
+                            let e = rel_err(&got, &want);
+                            assert!(
+                                e <= tol,
+                                "bits {bits} gs {gs} {rows}x{cols} m {m} {kernel:?} {sd}: rel err {e:.2e} > {tol:.0e}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gather_matches_dequantized_rows_on_the_gpu() {
+        let dev = Device::new_cuda(0).expect("a `cuda` build's tests need a GPU");
+        for bits in [4, 8, 3] {
+            let w = Arc::new(random_qmatrix(50, 256, bits, 64, Dtype::BF16, 3));
+            let ids = [7u32, 0, 49, 7];
+            let got: Vec<f32> = Tensor::new(&ids, &dev)
+                .unwrap()
+                .apply_op1_no_bwd(&QGather { w: w.clone() })
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let mut want = vec![0f32; ids.len() * 256];
+            for (row, &id) in want.chunks_exact_mut(256).zip(&ids) {
+                w.dequantize_row(id as usize, row);
+            }
+            assert_eq!(got, want, "bits {bits}");
+        }
+    }
+}
