@@ -6,6 +6,7 @@ pub mod config;
 pub mod device;
 pub mod error;
 pub mod lora;
+pub mod metal_plan;
 pub mod profile;
 pub mod quant;
 pub mod quant_cpu;

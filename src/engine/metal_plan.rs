@@ -1,0 +1,216 @@
+//! Which Metal kernel of `metal/qmatmul.metal` runs a quantized product or gather, and on what
+//! grid. Plain Rust, compiled on every platform: the Metal forward (`quant_metal`) dispatches
+//! exactly these plans, and the tests run the same plans through the C++ shim
+//! (`tests/metal_shim/`) against the slow reference, so the kernels' logic is proven without a Mac.
+
+/// The MSL source, compiled at run time by the Metal device.
+pub const SOURCE: &str = include_str!("metal/qmatmul.metal");
+
+/// Mirrors `struct QParams` in the MSL source.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QParams {
+    pub m: i32,
+    pub n: i32,
+    pub k: i32,
+    pub bits: i32,
+    pub group_size: i32,
+    /// 0 bf16, 1 f16, 2 f32
+    pub sdtype: i32,
+}
+
+impl QParams {
+    pub fn to_bytes(self) -> [u8; 24] {
+        let mut b = [0u8; 24];
+        for (i, v) in [self.m, self.n, self.k, self.bits, self.group_size, self.sdtype]
+            .iter()
+            .enumerate()
+        {
+            b[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        b
+    }
+}
+
+/// A dispatch: kernel name, threadgroups in the grid, threads per threadgroup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plan {
+    pub kernel: &'static str,
+    pub grid: [usize; 3],
+    pub threads: [usize; 3],
+}
+
+/// Rows of x up to which the decode kernels run (they stream W once per row of x).
+pub const QMV_MAX_ROWS: i32 = 8;
+
+pub fn matmul_plan(p: &QParams) -> Plan {
+    let (m, n, k) = (p.m as usize, p.n as usize, p.k as usize);
+    if p.m > QMV_MAX_ROWS {
+        return Plan {
+            kernel: "qmm",
+            grid: [n.div_ceil(32), m.div_ceil(32), 1],
+            threads: [32, 8, 1],
+        };
+    }
+    let fast = k % 512 == 0 && n % 8 == 0;
+    let kernel = match (p.bits, fast) {
+        (4, true) => "qmv_fast_4",
+        (8, true) => "qmv_fast_8",
+        _ => "qmv_generic",
+    };
+    Plan {
+        kernel,
+        grid: [n.div_ceil(8), m, 1],
+        threads: [64, 1, 1],
+    }
+}
+
+/// `p.m` ids, each a row of `p.k` values.
+pub fn gather_plan(p: &QParams) -> Plan {
+    Plan {
+        kernel: "qgather",
+        grid: [(p.k as usize).div_ceil(256), p.m as usize, 1],
+        threads: [256, 1, 1],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The MSL kernels, compiled as C++ under `tests/metal_shim/shim.h` (g++ or clang++ with
+    //! C++20: `CXX` picks it), against the slow reference.
+    use super::*;
+    use crate::engine::quant::testutil::random_qmatrix;
+    use crate::engine::weights::Dtype;
+    use rand::{Rng, SeedableRng};
+    use std::path::{Path, PathBuf};
+    use std::sync::OnceLock;
+
+    fn runner() -> &'static Path {
+        static RUNNER: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
+        &RUNNER
+            .get_or_init(|| {
+                let dir = tempfile::tempdir().unwrap();
+                let exe = dir.path().join("runner");
+                let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
+                let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/metal_shim/runner.cpp");
+                let out = std::process::Command::new(&cxx)
+                    .args(["-std=c++20", "-O1", "-Wno-attributes", "-pthread", "-o"])
+                    .arg(&exe)
+                    .arg(&src)
+                    .output()
+                    .unwrap_or_else(|e| panic!("the Metal shim tests need a C++20 compiler ({cxx}): {e}"));
+                assert!(
+                    out.status.success(),
+                    "{cxx} could not compile the MSL under the shim:\n{}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                (dir, exe)
+            })
+            .1
+    }
+
+    fn run(plan: &Plan, p: &QParams, x: &[u8], w: &crate::engine::QMatrix) -> Vec<f32> {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        std::fs::write(d.join("params.bin"), p.to_bytes()).unwrap();
+        std::fs::write(d.join("x.bin"), x).unwrap();
+        std::fs::write(d.join("w.bin"), &w.packed[..]).unwrap();
+        std::fs::write(d.join("s.bin"), &w.scales.bytes[..]).unwrap();
+        std::fs::write(d.join("b.bin"), &w.biases.bytes[..]).unwrap();
+        let st = std::process::Command::new(runner())
+            .arg(plan.kernel)
+            .arg(d)
+            .args([plan.grid[0], plan.grid[1], plan.threads[0], plan.threads[1]].map(|v| v.to_string()))
+            .status()
+            .unwrap();
+        assert!(st.success(), "{plan:?}");
+        std::fs::read(d.join("y.bin"))
+            .unwrap()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+
+    fn sd_code(d: Dtype) -> i32 {
+        match d {
+            Dtype::BF16 => 0,
+            Dtype::F16 => 1,
+            _ => 2,
+        }
+    }
+
+    #[test]
+    fn msl_matmul_kernels_match_the_reference_under_the_shim() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let mut seen = std::collections::BTreeSet::new();
+        // (N, K): fast-path shapes, and tails the fast path must leave to the generic kernel
+        let shapes = [(16, 512), (24, 1024), (13, 128), (8, 640)];
+        for bits in [4, 8, 3] {
+            for gs in [32, 64, 128] {
+                for (i, &(n, k)) in shapes.iter().enumerate() {
+                    if k % gs != 0 {
+                        continue;
+                    }
+                    let sd = [Dtype::BF16, Dtype::F16, Dtype::F32][(i + gs / 32) % 3];
+                    let w = random_qmatrix(n, k, bits, gs, sd, (bits * 1000 + gs + i) as u64);
+                    for m in [1, 5, 64] {
+                        if bits == 3 && m == 64 && gs != 64 {
+                            continue; // keep the thread-per-lane emulation quick
+                        }
+                        let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1f32..1.0)).collect();
+                        let p = QParams {
+                            m: m as i32,
+                            n: n as i32,
+                            k: k as i32,
+                            bits: bits as i32,
+                            group_size: gs as i32,
+                            sdtype: sd_code(sd),
+                        };
+                        let plan = matmul_plan(&p);
+                        seen.insert(plan.kernel);
+                        let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+                        let got = run(&plan, &p, &bytes, &w);
+                        let want = w.matmul_reference(&x, m);
+                        let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+                        let err = got
+                            .iter()
+                            .zip(&want)
+                            .fold(0f32, |a, (g, r)| a.max((g - r).abs()))
+                            / scale;
+                        assert!(
+                            err <= 1e-5,
+                            "{} bits {bits} gs {gs} N {n} K {k} M {m} {sd}: relative error {err:.2e}",
+                            plan.kernel
+                        );
+                    }
+                }
+            }
+        }
+        for k in ["qmv_fast_4", "qmv_fast_8", "qmv_generic", "qmm"] {
+            assert!(seen.contains(k), "{k} was not exercised");
+        }
+    }
+
+    #[test]
+    fn msl_gather_matches_dequantized_rows_under_the_shim() {
+        for bits in [4, 8, 5] {
+            let w = random_qmatrix(20, 384, bits, 128, Dtype::BF16, 4);
+            let ids = [3u32, 19, 0, 3];
+            let p = QParams {
+                m: ids.len() as i32,
+                n: 20,
+                k: 384,
+                bits: bits as i32,
+                group_size: 128,
+                sdtype: 0,
+            };
+            let bytes: Vec<u8> = ids.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let got = run(&gather_plan(&p), &p, &bytes, &w);
+            let mut want = vec![0f32; ids.len() * 384];
+            for (row, &id) in want.chunks_exact_mut(384).zip(&ids) {
+                w.dequantize_row(id as usize, row);
+            }
+            assert_eq!(got, want, "bits {bits}");
+        }
+    }
+}

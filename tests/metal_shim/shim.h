@@ -1,0 +1,82 @@
+// Runs Metal Shading Language kernels (the subset src/engine/metal/qmatmul.metal uses) as C++ on
+// the CPU, so their arithmetic and indexing are tested where no Mac exists. Every lane of a
+// threadgroup is a std::thread; `simd_sum` and `threadgroup_barrier` are barriers over the
+// simdgroup's / threadgroup's threads; `threadgroup` arrays become function statics, which is
+// threadgroup memory exactly because threadgroups run one at a time. What this cannot show:
+// the Metal compiler accepting the source, GPU scheduling, and speed.
+#pragma once
+#include <barrier>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <thread>
+#include <vector>
+
+typedef uint32_t uint;
+typedef uint16_t ushort;
+typedef uint8_t uchar;
+typedef _Float16 half;
+struct uint3 {
+    uint x, y, z;
+};
+
+#define kernel
+#define device
+#define constant const
+#define threadgroup static
+
+template <typename T, typename U>
+inline T as_type(U u) {
+    static_assert(sizeof(T) == sizeof(U), "as_type needs equal sizes");
+    T t;
+    std::memcpy(&t, &u, sizeof(T));
+    return t;
+}
+
+struct SimdGroup {
+    std::barrier<> bar{32};
+    float vals[32];
+};
+thread_local SimdGroup* t_simd = nullptr;
+thread_local uint t_lane = 0;
+thread_local std::barrier<>* t_tg = nullptr;
+
+inline float simd_sum(float v) {
+    t_simd->vals[t_lane] = v;
+    t_simd->bar.arrive_and_wait();
+    float s = 0.f;
+    for (int i = 0; i < 32; i++) s += t_simd->vals[i];
+    t_simd->bar.arrive_and_wait();
+    return s;
+}
+
+enum class mem_flags { mem_none, mem_device, mem_threadgroup };
+inline void threadgroup_barrier(mem_flags) { t_tg->arrive_and_wait(); }
+
+// What one lane is told about where it is.
+struct Lane {
+    uint3 tgid, tid;
+    uint simd_gid, simd_lid;
+};
+
+// Runs `body` for every lane of every threadgroup of the grid, one threadgroup at a time.
+inline void dispatch(uint3 grid, uint3 tg, const std::function<void(const Lane&)>& body) {
+    const uint n = tg.x * tg.y * tg.z;
+    for (uint gz = 0; gz < grid.z; gz++)
+        for (uint gy = 0; gy < grid.y; gy++)
+            for (uint gx = 0; gx < grid.x; gx++) {
+                std::barrier<> tg_bar(n);
+                std::vector<SimdGroup> simds((n + 31) / 32);
+                std::vector<std::thread> threads;
+                for (uint i = 0; i < n; i++) {
+                    threads.emplace_back([&, i] {
+                        t_simd = &simds[i / 32];
+                        t_lane = i % 32;
+                        t_tg = &tg_bar;
+                        Lane l{{gx, gy, gz}, {i % tg.x, (i / tg.x) % tg.y, i / (tg.x * tg.y)}, i / 32, i % 32};
+                        body(l);
+                    });
+                }
+                for (auto& t : threads) t.join();
+            }
+}
