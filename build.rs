@@ -2,12 +2,20 @@
 //! when the `cuda` feature is on; the PTX is embedded in the binary and JIT-compiled by the
 //! driver for the GPU it meets. `NVCC` or `CUDA_HOME` locate nvcc (else `nvcc` on PATH);
 //! `CUDA_COMPUTE_CAP` (e.g. 90 for H100) picks the virtual architecture, 80 by default (the
-//! TF32 tensor-core prefill kernel needs 8.0 or newer).
+//! TF32 tensor-core prefill kernel needs 8.0 or newer). Also sets `cfg(bot_metal)` where the
+//! Metal backend is compiled in.
 
 use std::path::PathBuf;
 use std::process::Command;
 
 fn main() {
+    // The Metal backend: asked for with `--features metal`, or implied by building on macOS.
+    println!("cargo::rustc-check-cfg=cfg(bot_metal)");
+    if std::env::var_os("CARGO_FEATURE_METAL").is_some()
+        || std::env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("macos")
+    {
+        println!("cargo:rustc-cfg=bot_metal");
+    }
     println!("cargo:rerun-if-changed=src/engine/cuda/qmatmul.cu");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=NVCC");

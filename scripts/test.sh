@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set-up and tests in one command (README "Tests"; CI runs this through .ci/run):
 # starts two reference PDS instances on loopback (one with the production rate limiter),
-# then runs every test with REQUIRE_PDS=1 so that a missing server fails instead of skipping.
+# type-checks the Metal feature, then runs every test with REQUIRE_PDS=1 so that a missing
+# server fails instead of skipping.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pds=.ci/pds/start-pds.sh
@@ -15,5 +16,7 @@ stop() {
   STATE_DIR="$state/state-ratelimited" PDS_PORT=2593 PLC_PORT=2592 bash "$pds" stop >&2 || true
 }
 trap stop EXIT
+# The Metal backend's Rust side against the real candle/objc2-metal APIs (nothing runs).
+bash .ci/metal-typecheck.sh . metal >&2
 export REQUIRE_PDS=1
 cargo test --locked "$@"

@@ -56,6 +56,8 @@ pub enum Command {
     Config(ConfigCommand),
     /// Measure load time, prefill and decode speed, memory and bandwidth.
     Bench(BenchArgs),
+    /// Show what this install can use: backends, devices, config, model cache, service.
+    Doctor,
     /// Developer tools: check that a model is loaded right.
     #[command(subcommand)]
     Debug(DebugCommand),

@@ -8,6 +8,7 @@ pub mod cli;
 pub mod commands;
 pub mod debug;
 pub mod dedup;
+pub mod doctor;
 pub mod engine;
 pub mod exit;
 pub mod generate;

@@ -38,6 +38,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Whoami(args) => bot::posting::whoami(config, profile, &args),
         Command::LabelBot(args) => bot::posting::label_bot(config, profile, &args),
         Command::Bench(args) => bot::bench::run(&args),
+        Command::Doctor => bot::doctor::run(config, profile),
         Command::Debug(DebugCommand::Forward(args)) => bot::debug::forward(&args),
     }
 }

@@ -26,7 +26,13 @@ pub fn select(kind: DeviceKind) -> Result<Device> {
 
 #[cfg(feature = "cuda")]
 fn cuda() -> Result<Device> {
-    Ok(Device::new_cuda(0)?)
+    let d = Device::new_cuda(0)?;
+    if let Device::Cuda(c) = &d {
+        // SAFETY: the engine issues all its work on the device's one stream, so the per-tensor
+        // cross-stream events candle records by default only cost time (an event per op).
+        unsafe { c.disable_event_tracking() };
+    }
+    Ok(d)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -36,12 +42,12 @@ fn cuda() -> Result<Device> {
     ))
 }
 
-#[cfg(feature = "metal")]
+#[cfg(bot_metal)]
 fn metal() -> Result<Device> {
     Ok(Device::new_metal(0)?)
 }
 
-#[cfg(not(feature = "metal"))]
+#[cfg(not(bot_metal))]
 fn metal() -> Result<Device> {
     Err(EngineError::Invalid(
         "this `bot` was built without Metal support: rebuild with `cargo build --release --features metal`".into(),

@@ -22,9 +22,16 @@ pub struct QParams {
 impl QParams {
     pub fn to_bytes(self) -> [u8; 24] {
         let mut b = [0u8; 24];
-        for (i, v) in [self.m, self.n, self.k, self.bits, self.group_size, self.sdtype]
-            .iter()
-            .enumerate()
+        for (i, v) in [
+            self.m,
+            self.n,
+            self.k,
+            self.bits,
+            self.group_size,
+            self.sdtype,
+        ]
+        .iter()
+        .enumerate()
         {
             b[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
         }
@@ -98,7 +105,9 @@ mod tests {
                     .arg(&exe)
                     .arg(&src)
                     .output()
-                    .unwrap_or_else(|e| panic!("the Metal shim tests need a C++20 compiler ({cxx}): {e}"));
+                    .unwrap_or_else(|e| {
+                        panic!("the Metal shim tests need a C++20 compiler ({cxx}): {e}")
+                    });
                 assert!(
                     out.status.success(),
                     "{cxx} could not compile the MSL under the shim:\n{}",
@@ -120,7 +129,10 @@ mod tests {
         let st = std::process::Command::new(runner())
             .arg(plan.kernel)
             .arg(d)
-            .args([plan.grid[0], plan.grid[1], plan.threads[0], plan.threads[1]].map(|v| v.to_string()))
+            .args(
+                [plan.grid[0], plan.grid[1], plan.threads[0], plan.threads[1]]
+                    .map(|v| v.to_string()),
+            )
             .status()
             .unwrap();
         assert!(st.success(), "{plan:?}");
@@ -157,7 +169,8 @@ mod tests {
                         if bits == 3 && m == 64 && gs != 64 {
                             continue; // keep the thread-per-lane emulation quick
                         }
-                        let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1f32..1.0)).collect();
+                        let x: Vec<f32> =
+                            (0..m * k).map(|_| rng.random_range(-1f32..1.0)).collect();
                         let p = QParams {
                             m: m as i32,
                             n: n as i32,

@@ -12,6 +12,8 @@ pub mod quant;
 pub mod quant_cpu;
 #[cfg(feature = "cuda")]
 pub mod quant_cuda;
+#[cfg(bot_metal)]
+pub mod quant_metal;
 pub mod qwen3;
 pub mod repack;
 pub mod synthetic;

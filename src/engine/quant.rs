@@ -92,6 +92,8 @@ pub struct QMatrix {
 pub struct DeviceCopy {
     #[cfg(feature = "cuda")]
     pub(crate) cuda: super::quant_cuda::CudaCopy,
+    #[cfg(bot_metal)]
+    pub(crate) metal: super::quant_metal::MetalCopy,
 }
 
 impl std::fmt::Debug for DeviceCopy {
@@ -336,6 +338,15 @@ impl CustomOp1 for QMatMul {
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         super::quant_cuda::qmatmul_fwd(&self.w, self.kernel, s, l)
     }
+
+    #[cfg(bot_metal)]
+    fn metal_fwd(
+        &self,
+        s: &candle_core::MetalStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::MetalStorage, Shape)> {
+        super::quant_metal::qmatmul_fwd(&self.w, s, l)
+    }
 }
 
 /// Rows of a quantized table (the embedding), dequantized: ids `(L,)` U32 -> `(L, cols)` f32.
@@ -371,6 +382,15 @@ impl CustomOp1 for QGather {
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         super::quant_cuda::gather_fwd(&self.w, s, l)
+    }
+
+    #[cfg(bot_metal)]
+    fn metal_fwd(
+        &self,
+        s: &candle_core::MetalStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::MetalStorage, Shape)> {
+        super::quant_metal::gather_fwd(&self.w, s, l)
     }
 }
 

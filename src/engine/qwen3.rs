@@ -48,6 +48,22 @@ pub enum QMatmulRoute {
     Repack,
 }
 
+/// On a Mac whose Metal compiler rejects our kernels, the repack route (candle's own Metal
+/// kernels) takes over instead of failing.
+fn effective_options(opts: &ModelOptions) -> ModelOptions {
+    #[cfg(bot_metal)]
+    if let (Device::Metal(dev), QMatmulRoute::Native) = (&opts.device, opts.route) {
+        if let Err(e) = super::quant_metal::native_kernels_available(dev) {
+            eprintln!("Metal: our kernels did not compile ({e}); using --qmatmul repack");
+            return ModelOptions {
+                route: QMatmulRoute::Repack,
+                ..opts.clone()
+            };
+        }
+    }
+    opts.clone()
+}
+
 /// A weight matrix [out, in]: MLX-quantized, repacked to candle's Q4_1, or dense (modules
 /// mlx_lm left unquantized).
 #[derive(Debug, Clone)]
@@ -462,6 +478,7 @@ impl Qwen3 {
         opts: &ModelOptions,
     ) -> Result<Self> {
         let mut adapter = adapter;
+        let opts = &effective_options(opts);
         let h = cfg.hidden_size;
         let embed = Weight::load(
             store,

@@ -55,3 +55,31 @@ fn debug_forward_prints_logits_and_greedy_ids() {
         .collect();
     assert_eq!(greedy, want_ids);
 }
+
+#[test]
+fn doctor_reports_backends_devices_and_config() {
+    let home = tempfile::tempdir().unwrap();
+    let out = Command::cargo_bin("bot")
+        .unwrap()
+        .env("BOT_HOME", home.path())
+        .env("HF_HUB_OFFLINE", "1")
+        .env("BOT_BSKY_SERVICE", "http://127.0.0.1:9")
+        .env("BOT_BSKY_APP_PASSWORD", "never-printed-pass")
+        .arg("doctor")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let s = String::from_utf8(out.stdout).unwrap();
+    for key in [
+        "backends",
+        "device auto",
+        "config",
+        "model",
+        "service check",
+    ] {
+        assert!(s.lines().any(|l| l.starts_with(key)), "{key} missing:\n{s}");
+    }
+    assert!(s.contains("NOT cached, and HF_HUB_OFFLINE is set"), "{s}");
+    assert!(s.contains("NOT reachable"), "{s}");
+    assert!(!s.contains("never-printed-pass"));
+}

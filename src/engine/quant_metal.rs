@@ -1,0 +1,195 @@
+//! Metal forward of the fused quantized matmul and the quantized gather: the MSL of
+//! `metal/qmatmul.metal` is compiled once per device at run time; each `QMatrix` is copied to
+//! the GPU once, as stored; dispatches follow `metal_plan` (the plans the shim tests run).
+//! Never run on a Mac by this project's CI: see docs/macos.md for what is proven and what not.
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use candle_core::backend::BackendStorage;
+use candle_core::{DType, Layout, MetalDevice, MetalStorage, Shape};
+use candle_metal_kernels::metal::{Buffer, ComputePipeline, Library};
+use objc2_metal::MTLSize;
+
+use super::metal_plan::{self, Plan, QParams};
+use super::quant::QMatrix;
+use super::weights::Dtype;
+
+/// A `QMatrix` resident on the GPU.
+pub struct MetalQMatrix {
+    packed: Arc<Buffer>,
+    scales: Arc<Buffer>,
+    biases: Arc<Buffer>,
+}
+
+/// The lazily made device copy, kept beside the host matrix.
+#[derive(Default, Clone)]
+pub struct MetalCopy(OnceLock<Arc<MetalQMatrix>>);
+
+fn err(e: impl std::fmt::Display) -> candle_core::Error {
+    candle_core::Error::Msg(format!("bot metal kernels: {e}"))
+}
+
+/// The compiled library (one process uses one GPU) and its pipelines by kernel name.
+fn pipeline(dev: &MetalDevice, name: &'static str) -> candle_core::Result<ComputePipeline> {
+    static LIB: OnceLock<std::result::Result<Library, String>> = OnceLock::new();
+    static PIPES: Mutex<Vec<(&'static str, ComputePipeline)>> = Mutex::new(Vec::new());
+    let lib = LIB
+        .get_or_init(|| {
+            dev.device()
+                .new_library_with_source(metal_plan::SOURCE, None)
+                .map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(|e| err(format!("the MSL source did not compile: {e}")))?;
+    let mut pipes = PIPES.lock().map_err(err)?;
+    if let Some((_, p)) = pipes.iter().find(|(n, _)| *n == name) {
+        return Ok(p.clone());
+    }
+    let f = lib.get_function(name, None).map_err(err)?;
+    let p = dev
+        .device()
+        .new_compute_pipeline_state_with_function(&f)
+        .map_err(err)?;
+    pipes.push((name, p.clone()));
+    Ok(p)
+}
+
+/// Whether the native kernels compile on this Mac; `--qmatmul auto` falls back to the repack
+/// route when they do not.
+pub fn native_kernels_available(dev: &MetalDevice) -> std::result::Result<(), String> {
+    pipeline(dev, "qmv_generic")
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+fn resident(w: &QMatrix, dev: &MetalDevice) -> candle_core::Result<Arc<MetalQMatrix>> {
+    if let Some(g) = w.device_copy.metal.0.get() {
+        return Ok(g.clone());
+    }
+    let g = Arc::new(MetalQMatrix {
+        packed: dev.new_buffer_with_data(&w.packed[..])?,
+        scales: dev.new_buffer_with_data(&w.scales.bytes[..])?,
+        biases: dev.new_buffer_with_data(&w.biases.bytes[..])?,
+    });
+    Ok(w.device_copy.metal.0.get_or_init(|| g).clone())
+}
+
+fn sdtype(d: Dtype) -> i32 {
+    match d {
+        Dtype::BF16 => 0,
+        Dtype::F16 => 1,
+        _ => 2,
+    }
+}
+
+fn launch(
+    dev: &MetalDevice,
+    plan: &Plan,
+    p: &QParams,
+    input: (&Buffer, usize),
+    w: &MetalQMatrix,
+    out: &Buffer,
+) -> candle_core::Result<()> {
+    let pipe = pipeline(dev, plan.kernel)?;
+    let guard = dev.command_encoder()?;
+    let enc = guard.as_ref();
+    enc.set_label(plan.kernel);
+    enc.set_compute_pipeline_state(&pipe);
+    enc.set_input_buffer(0, Some(input.0), input.1);
+    enc.set_input_buffer(1, Some(&w.packed), 0);
+    enc.set_input_buffer(2, Some(&w.scales), 0);
+    enc.set_input_buffer(3, Some(&w.biases), 0);
+    enc.set_output_buffer(4, Some(out), 0);
+    enc.set_bytes(5, p);
+    let size = |v: [usize; 3]| MTLSize {
+        width: v[0],
+        height: v[1],
+        depth: v[2],
+    };
+    enc.dispatch_thread_groups(size(plan.grid), size(plan.threads));
+    Ok(())
+}
+
+/// `x (..., cols) -> (..., rows)` on the GPU, f32.
+pub fn qmatmul_fwd(
+    w: &QMatrix,
+    s: &MetalStorage,
+    l: &Layout,
+) -> candle_core::Result<(MetalStorage, Shape)> {
+    if s.dtype() != DType::F32 {
+        candle_core::bail!(
+            "{}: the Metal qmatmul takes f32 activations, got {:?}",
+            w.name,
+            s.dtype()
+        );
+    }
+    let Some((o0, o1)) = l.contiguous_offsets() else {
+        candle_core::bail!("{}: qmatmul input must be contiguous", w.name);
+    };
+    let dev = s.device();
+    let m = (o1 - o0) / w.cols;
+    let p = QParams {
+        m: m as i32,
+        n: w.rows as i32,
+        k: w.cols as i32,
+        bits: w.params.bits as i32,
+        group_size: w.params.group_size as i32,
+        sdtype: sdtype(w.scales.dtype),
+    };
+    let g = resident(w, dev)?;
+    let out = dev.new_buffer(m * w.rows, DType::F32, "bot-qmatmul")?;
+    launch(
+        dev,
+        &metal_plan::matmul_plan(&p),
+        &p,
+        (s.buffer(), o0 * 4),
+        &g,
+        &out,
+    )?;
+    let mut dims = l.shape().dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = w.rows;
+    }
+    Ok((
+        MetalStorage::new(out, dev.clone(), m * w.rows, DType::F32),
+        Shape::from(dims),
+    ))
+}
+
+/// Rows `ids (L,)` of the table, dequantized: `(L, cols)` f32.
+pub fn gather_fwd(
+    w: &QMatrix,
+    s: &MetalStorage,
+    l: &Layout,
+) -> candle_core::Result<(MetalStorage, Shape)> {
+    if s.dtype() != DType::U32 {
+        candle_core::bail!("{}: gather takes U32 ids", w.name);
+    }
+    let Some((o0, o1)) = l.contiguous_offsets() else {
+        candle_core::bail!("{}: gather ids must be contiguous", w.name);
+    };
+    let dev = s.device();
+    let len = o1 - o0;
+    let p = QParams {
+        m: len as i32,
+        n: w.rows as i32,
+        k: w.cols as i32,
+        bits: w.params.bits as i32,
+        group_size: w.params.group_size as i32,
+        sdtype: sdtype(w.scales.dtype),
+    };
+    let g = resident(w, dev)?;
+    let out = dev.new_buffer(len * w.cols, DType::F32, "bot-gather")?;
+    launch(
+        dev,
+        &metal_plan::gather_plan(&p),
+        &p,
+        (s.buffer(), o0 * 4),
+        &g,
+        &out,
+    )?;
+    Ok((
+        MetalStorage::new(out, dev.clone(), len * w.cols, DType::F32),
+        Shape::from((len, w.cols)),
+    ))
+}
