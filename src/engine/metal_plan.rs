@@ -20,6 +20,18 @@ pub struct QParams {
 }
 
 impl QParams {
+    /// `m` rows of x (or ids) against `w`.
+    pub fn new(w: &super::quant::QMatrix, m: usize) -> Self {
+        QParams {
+            m: m as i32,
+            n: w.rows as i32,
+            k: w.cols as i32,
+            bits: w.params.bits as i32,
+            group_size: w.params.group_size as i32,
+            sdtype: w.scales.kernel_code(),
+        }
+    }
+
     pub fn to_bytes(self) -> [u8; 24] {
         let mut b = [0u8; 24];
         for (i, v) in [
@@ -143,14 +155,6 @@ mod tests {
             .collect()
     }
 
-    fn sd_code(d: Dtype) -> i32 {
-        match d {
-            Dtype::BF16 => 0,
-            Dtype::F16 => 1,
-            _ => 2,
-        }
-    }
-
     #[test]
     fn msl_matmul_kernels_match_the_reference_under_the_shim() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
@@ -171,14 +175,7 @@ mod tests {
                         }
                         let x: Vec<f32> =
                             (0..m * k).map(|_| rng.random_range(-1f32..1.0)).collect();
-                        let p = QParams {
-                            m: m as i32,
-                            n: n as i32,
-                            k: k as i32,
-                            bits: bits as i32,
-                            group_size: gs as i32,
-                            sdtype: sd_code(sd),
-                        };
+                        let p = QParams::new(&w, m);
                         let plan = matmul_plan(&p);
                         seen.insert(plan.kernel);
                         let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -209,14 +206,7 @@ mod tests {
         for bits in [4, 8, 5] {
             let w = random_qmatrix(20, 384, bits, 128, Dtype::BF16, 4);
             let ids = [3u32, 19, 0, 3];
-            let p = QParams {
-                m: ids.len() as i32,
-                n: 20,
-                k: 384,
-                bits: bits as i32,
-                group_size: 128,
-                sdtype: 0,
-            };
+            let p = QParams::new(&w, ids.len());
             let bytes: Vec<u8> = ids.iter().flat_map(|v| v.to_le_bytes()).collect();
             let got = run(&gather_plan(&p), &p, &bytes, &w);
             let mut want = vec![0f32; ids.len() * 384];

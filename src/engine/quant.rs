@@ -38,6 +38,15 @@ impl GroupParams {
         self.view().get(i)
     }
 
+    /// How the GPU kernels (CUDA and MSL) are told the dtype: 0 bf16, 1 f16, 2 f32.
+    pub fn kernel_code(&self) -> i32 {
+        match self.dtype {
+            Dtype::BF16 => 0,
+            Dtype::F16 => 1,
+            _ => 2,
+        }
+    }
+
     pub fn to_f32_vec(&self) -> Vec<f32> {
         let v = self.view();
         (0..self.bytes.len() / self.dtype.size())

@@ -10,8 +10,8 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKer
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, CudaStorage, Layout, Shape};
 
+use super::metal_plan::QParams;
 use super::quant::{CpuKernel, QMatrix};
-use super::weights::Dtype;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/qmatmul.ptx"));
 const MODULE: &str = "bot_qmatmul";
@@ -23,20 +23,11 @@ pub struct GpuQMatrix {
     packed: CudaSlice<u8>,
     scales: CudaSlice<u8>,
     biases: CudaSlice<u8>,
-    sdtype: i32,
 }
 
 /// The lazily made device copy, kept beside the host matrix.
 #[derive(Default, Clone)]
 pub struct CudaCopy(OnceLock<Arc<GpuQMatrix>>);
-
-fn dtype_code(d: Dtype) -> i32 {
-    match d {
-        Dtype::BF16 => 0,
-        Dtype::F16 => 1,
-        _ => 2,
-    }
-}
 
 fn resident(w: &QMatrix, dev: &CudaDevice) -> candle_core::Result<Arc<GpuQMatrix>> {
     if let Some(g) = w.device_copy.cuda.0.get() {
@@ -46,7 +37,6 @@ fn resident(w: &QMatrix, dev: &CudaDevice) -> candle_core::Result<Arc<GpuQMatrix
         packed: dev.clone_htod(&w.packed[..])?,
         scales: dev.clone_htod(&w.scales.bytes[..])?,
         biases: dev.clone_htod(&w.biases.bytes[..])?,
-        sdtype: dtype_code(w.scales.dtype),
     });
     Ok(w.device_copy.cuda.0.get_or_init(|| g).clone())
 }
@@ -112,14 +102,9 @@ pub fn qmatmul_fwd(
     b.arg(&g.scales);
     b.arg(&g.biases);
     b.arg(&y);
-    let dims = [
-        m as i32,
-        n as i32,
-        k as i32,
-        w.params.bits as i32,
-        w.params.group_size as i32,
-        g.sdtype,
-    ];
+    // The kernels take the same parameters, in the same order, as the MSL ones.
+    let p = QParams::new(w, m);
+    let dims = [p.m, p.n, p.k, p.bits, p.group_size, p.sdtype];
     for d in &dims {
         b.arg(d);
     }
@@ -158,12 +143,8 @@ pub fn gather_fwd(
     b.arg(&g.scales);
     b.arg(&g.biases);
     b.arg(&out);
-    let dims = [
-        k as i32,
-        w.params.bits as i32,
-        w.params.group_size as i32,
-        g.sdtype,
-    ];
+    let p = QParams::new(w, len);
+    let dims = [p.k, p.bits, p.group_size, p.sdtype];
     for d in &dims {
         b.arg(d);
     }
@@ -185,6 +166,7 @@ mod tests {
     //! Kernels against the slow reference on the GPU (a `cuda` build's tests need one).
     use super::*;
     use crate::engine::quant::{qmatmul, testutil::random_qmatrix, QGather};
+    use crate::engine::weights::Dtype;
     use candle_core::{Device, Tensor};
     use rand::{Rng, SeedableRng};
 

@@ -12,7 +12,6 @@ use objc2_metal::MTLSize;
 
 use super::metal_plan::{self, Plan, QParams};
 use super::quant::QMatrix;
-use super::weights::Dtype;
 
 /// A `QMatrix` resident on the GPU.
 pub struct MetalQMatrix {
@@ -74,14 +73,6 @@ fn resident(w: &QMatrix, dev: &MetalDevice) -> candle_core::Result<Arc<MetalQMat
     Ok(w.device_copy.metal.0.get_or_init(|| g).clone())
 }
 
-fn sdtype(d: Dtype) -> i32 {
-    match d {
-        Dtype::BF16 => 0,
-        Dtype::F16 => 1,
-        _ => 2,
-    }
-}
-
 fn launch(
     dev: &MetalDevice,
     plan: &Plan,
@@ -128,14 +119,7 @@ pub fn qmatmul_fwd(
     };
     let dev = s.device();
     let m = (o1 - o0) / w.cols;
-    let p = QParams {
-        m: m as i32,
-        n: w.rows as i32,
-        k: w.cols as i32,
-        bits: w.params.bits as i32,
-        group_size: w.params.group_size as i32,
-        sdtype: sdtype(w.scales.dtype),
-    };
+    let p = QParams::new(w, m);
     let g = resident(w, dev)?;
     let out = dev.new_buffer(m * w.rows, DType::F32, "bot-qmatmul")?;
     launch(
@@ -170,14 +154,7 @@ pub fn gather_fwd(
     };
     let dev = s.device();
     let len = o1 - o0;
-    let p = QParams {
-        m: len as i32,
-        n: w.rows as i32,
-        k: w.cols as i32,
-        bits: w.params.bits as i32,
-        group_size: w.params.group_size as i32,
-        sdtype: sdtype(w.scales.dtype),
-    };
+    let p = QParams::new(w, len);
     let g = resident(w, dev)?;
     let out = dev.new_buffer(len * w.cols, DType::F32, "bot-gather")?;
     launch(
