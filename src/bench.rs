@@ -28,6 +28,17 @@ pub struct Report {
     pub decode_bandwidth_gb_s: f64,
     /// Share of decode time per part (same order as `engine::profile::PARTS`), rest last.
     pub decode_time_split: Vec<(String, f64)>,
+    /// With `--kernel-times`: GPU time per kernel class over one more decode pass.
+    pub kernel_times: Vec<KernelRow>,
+}
+
+#[derive(Serialize)]
+pub struct KernelRow {
+    pub kernel: String,
+    pub us_per_token: f64,
+    pub share: f64,
+    /// Weight bytes read per second while the class ran (projections only).
+    pub gb_s: Option<f64>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -73,6 +84,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         device: dev.clone(),
         kernel: kernel(args.kernel),
         route: args.qmatmul,
+        cuda_step: args.cuda_step,
     };
     let (mut model, load_s, name) = if let Some(dir) = &args.model {
         let t = Instant::now();
@@ -144,6 +156,15 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         "everything else (embedding, norms, residuals, candle overhead)".into(),
         rest,
     ));
+    let mut kernel_times = Vec::new();
+    if args.kernel_times {
+        if !model.uses_fused_step() {
+            anyhow::bail!("--kernel-times needs the fused CUDA step (--device cuda, --qmatmul native, --cuda-step graph or eager)");
+        }
+        model.profile_kernels(true);
+        profile_decode(&mut model, &prompt, args.gen_tokens, &mut kernel_times)?;
+        model.profile_kernels(false);
+    }
     let decode_tok_s = median(dec);
     let bytes = model.weight_bytes_per_token();
     let report = Report {
@@ -161,11 +182,38 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         weight_bytes_per_token: bytes,
         decode_bandwidth_gb_s: bytes as f64 * decode_tok_s / 1e9,
         decode_time_split: split,
+        kernel_times,
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         print_table(&report);
+    }
+    Ok(())
+}
+
+/// One profiled decode pass of `gen` tokens after `prompt`: GPU time per kernel class.
+fn profile_decode(
+    m: &mut Qwen3,
+    prompt: &[u32],
+    gen: usize,
+    rows: &mut Vec<KernelRow>,
+) -> anyhow::Result<()> {
+    m.reset();
+    let mut logits = m.next_logits(prompt)?;
+    m.kernel_times()?; // drop the prefill's
+    for _ in 0..gen {
+        logits = m.next_logits(&[Qwen3::argmax(&logits)])?;
+    }
+    let times = m.kernel_times()?;
+    let total: f64 = times.iter().map(|t| t.ms).sum();
+    for t in times {
+        rows.push(KernelRow {
+            kernel: t.name.to_string(),
+            us_per_token: t.ms * 1e3 / gen.max(1) as f64,
+            share: t.ms / total,
+            gb_s: (t.bytes > 0).then(|| t.bytes as f64 / (t.ms * 1e-3) / 1e9),
+        });
     }
     Ok(())
 }
@@ -200,5 +248,21 @@ fn print_table(r: &Report) {
     println!("decode time split:");
     for (name, f) in &r.decode_time_split {
         println!("  {:5.1}%  {name}", 100.0 * f);
+    }
+    if !r.kernel_times.is_empty() {
+        let total: f64 = r.kernel_times.iter().map(|k| k.us_per_token).sum();
+        println!("GPU time per decoded token ({total:.0} us in kernels, CUDA events):");
+        for k in &r.kernel_times {
+            let bw = k
+                .gb_s
+                .map(|g| format!("  {g:6.0} GB/s"))
+                .unwrap_or_default();
+            println!(
+                "  {:5.1}%  {:8.1} us  {}{bw}",
+                100.0 * k.share,
+                k.us_per_token,
+                k.kernel
+            );
+        }
     }
 }

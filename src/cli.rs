@@ -6,7 +6,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::engine::device::DeviceKind;
 use crate::engine::synthetic::Shape;
-use crate::engine::QMatmulRoute;
+use crate::engine::{CudaStep, QMatmulRoute};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -93,6 +93,9 @@ pub struct ModelArgs {
     /// Kernels for the quantized projections: ours on the MLX layout, or candle's on Q4_1
     #[arg(long, value_enum, default_value_t = QMatmulRoute::Native)]
     pub qmatmul: QMatmulRoute,
+    /// On CUDA: our fused step replayed as a CUDA graph, the same launched kernel by kernel, or candle ops
+    #[arg(long, value_enum, default_value_t = CudaStep::Graph)]
+    pub cuda_step: CudaStep,
 }
 
 /// How posts are written.
@@ -373,6 +376,9 @@ pub struct ForwardArgs {
     /// Kernels for the quantized projections: ours on the MLX layout, or candle's on Q4_1
     #[arg(long, value_enum, default_value_t = QMatmulRoute::Native)]
     pub qmatmul: QMatmulRoute,
+    /// On CUDA: our fused step replayed as a CUDA graph, the same launched kernel by kernel, or candle ops
+    #[arg(long, value_enum, default_value_t = CudaStep::Graph)]
+    pub cuda_step: CudaStep,
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
     /// Worker threads (default: all cores)
@@ -420,8 +426,15 @@ pub struct BenchArgs {
     /// Kernels for the quantized projections: ours on the MLX layout, or candle's on Q4_1
     #[arg(long, value_enum, default_value_t = QMatmulRoute::Native)]
     pub qmatmul: QMatmulRoute,
+    /// On CUDA: our fused step replayed as a CUDA graph, the same launched kernel by kernel, or candle ops
+    #[arg(long, value_enum, default_value_t = CudaStep::Graph)]
+    pub cuda_step: CudaStep,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// After the timed runs, one more decode pass timing every GPU kernel with CUDA events
+    /// (the fused CUDA step only)
+    #[arg(long)]
+    pub kernel_times: bool,
     /// One JSON object on stdout instead of a table
     #[arg(long)]
     pub json: bool,

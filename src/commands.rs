@@ -74,6 +74,7 @@ pub fn load_generator(
         device: device::select(kind)?,
         kernel: kernel(m.kernel),
         route: m.qmatmul,
+        cuda_step: m.cuda_step,
     };
     let t = Instant::now();
     let generator = Generator::load(&model_dir, adapter_dir.as_deref(), &opts)

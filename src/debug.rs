@@ -37,6 +37,7 @@ pub fn forward(args: &ForwardArgs) -> anyhow::Result<()> {
     let opts = ModelOptions {
         kernel: kernel(args.kernel),
         route: args.qmatmul,
+        cuda_step: args.cuda_step,
         device: crate::engine::device::select(args.device)?,
     };
     let mut model = engine::load(&args.model, args.adapter.as_deref(), &opts)

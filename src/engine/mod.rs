@@ -3,6 +3,8 @@
 
 pub mod attention_cpu;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda_fused;
 pub mod device;
 pub mod error;
 pub mod lora;
@@ -25,7 +27,7 @@ pub use config::{QuantParams, Qwen3Config};
 pub use error::{EngineError, Result};
 pub use lora::Adapter;
 pub use quant::{CpuKernel, QMatrix};
-pub use qwen3::{ModelOptions, QMatmulRoute, Qwen3};
+pub use qwen3::{CudaStep, ModelOptions, QMatmulRoute, Qwen3};
 pub use weights::WeightStore;
 
 /// Loads `model_dir` (and `adapter_dir`, if given) into a ready model.

@@ -51,3 +51,13 @@ pub fn snapshot() -> [f64; 4] {
     }
     out
 }
+
+/// GPU time of one kernel class over profiled forwards (the fused CUDA step's event timings).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct KernelTime {
+    pub name: &'static str,
+    pub calls: usize,
+    pub ms: f64,
+    /// Weight bytes the class read (projections only).
+    pub bytes: usize,
+}

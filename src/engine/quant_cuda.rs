@@ -13,23 +13,49 @@ use candle_core::{CudaDevice, CudaStorage, Layout, Shape};
 use super::metal_plan::QParams;
 use super::quant::{CpuKernel, QMatrix};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/qmatmul.ptx"));
-const MODULE: &str = "bot_qmatmul";
+pub(crate) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/qmatmul.ptx"));
+pub(crate) const MODULE: &str = "bot_qmatmul";
 /// Rows of x up to which the decode kernel is used (it reuses the codes across them).
 const QMV_MAX_ROWS: usize = 8;
 
 /// A `QMatrix` resident on one GPU.
 pub struct GpuQMatrix {
-    packed: CudaSlice<u8>,
-    scales: CudaSlice<u8>,
-    biases: CudaSlice<u8>,
+    pub(crate) packed: CudaSlice<u8>,
+    pub(crate) scales: CudaSlice<u8>,
+    pub(crate) biases: CudaSlice<u8>,
 }
+
+impl GpuQMatrix {
+    /// Bytes one pass over the matrix reads.
+    pub(crate) fn bytes(&self) -> usize {
+        self.packed.len() + self.scales.len() + self.biases.len()
+    }
+}
+
+/// The kernels' `Epi` (cuda/common.cuh): what is added to each output element. Pointers are
+/// device addresses, 0 for none.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Epi {
+    pub residual: u64,
+    pub lora_t: u64,
+    pub lora_bt: u64,
+    pub r: i32,
+    pub rtot: i32,
+    pub seg1: i32,
+    pub seg2: i32,
+    pub pairs: i32,
+    pub swiglu: i32,
+}
+
+// SAFETY: `Epi` is `#[repr(C)]` plain data laid out as the C struct of the same name.
+unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for Epi {}
 
 /// The lazily made device copy, kept beside the host matrix.
 #[derive(Default, Clone)]
 pub struct CudaCopy(OnceLock<Arc<GpuQMatrix>>);
 
-fn resident(w: &QMatrix, dev: &CudaDevice) -> candle_core::Result<Arc<GpuQMatrix>> {
+pub(crate) fn resident(w: &QMatrix, dev: &CudaDevice) -> candle_core::Result<Arc<GpuQMatrix>> {
     if let Some(g) = w.device_copy.cuda.0.get() {
         return Ok(g.clone());
     }
@@ -108,6 +134,8 @@ pub fn qmatmul_fwd(
     for d in &dims {
         b.arg(d);
     }
+    let epi = Epi::default();
+    b.arg(&epi);
     // SAFETY: the kernel's arguments match qmatmul.cu's signature; sizes were checked above.
     unsafe { b.launch(cfg) }.w()?;
     let mut out = l.shape().dims().to_vec();

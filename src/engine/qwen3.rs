@@ -25,6 +25,7 @@ pub struct ModelOptions {
     pub device: Device,
     pub kernel: CpuKernel,
     pub route: QMatmulRoute,
+    pub cuda_step: CudaStep,
 }
 
 impl Default for ModelOptions {
@@ -33,8 +34,21 @@ impl Default for ModelOptions {
             device: Device::Cpu,
             kernel: CpuKernel::Exact,
             route: QMatmulRoute::Native,
+            cuda_step: CudaStep::Graph,
         }
     }
+}
+
+/// How a forward runs on CUDA (other devices always run candle ops).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum CudaStep {
+    /// Our fused step (`cuda_fused.rs`), decode steps replayed from a captured CUDA graph
+    #[default]
+    Graph,
+    /// Our fused step, every kernel launched from the host
+    Eager,
+    /// candle ops around our quantized matmul (the reference path)
+    Ops,
 }
 
 /// Which kernels run the quantized projections.
@@ -468,6 +482,8 @@ pub struct Qwen3 {
     lm_head: Linear,
     offset: usize,
     device: Device,
+    #[cfg(feature = "cuda")]
+    fused: Option<Box<super::cuda_fused::FusedQwen3>>,
 }
 
 impl Qwen3 {
@@ -507,7 +523,8 @@ impl Qwen3 {
         if let Some(a) = &adapter {
             a.ensure_all_used()?;
         }
-        Ok(Qwen3 {
+        #[allow(unused_mut)]
+        let mut model = Qwen3 {
             norm: rms_norm_weight(store, "model.norm.weight", h, &opts.device)?,
             embed_tokens: Embedding { weight: embed },
             layers,
@@ -515,7 +532,97 @@ impl Qwen3 {
             offset: 0,
             device: opts.device.clone(),
             cfg,
+            #[cfg(feature = "cuda")]
+            fused: None,
+        };
+        #[cfg(feature = "cuda")]
+        if let (Device::Cuda(dev), true) = (&opts.device, opts.cuda_step != CudaStep::Ops) {
+            use super::cuda_fused::{unsupported, FusedQwen3};
+            match unsupported(&model) {
+                None => {
+                    let f = FusedQwen3::new(&model, dev, opts.kernel, opts.cuda_step)?;
+                    model.fused = Some(Box::new(f));
+                }
+                Some(why) => eprintln!("CUDA: {why}; running candle ops instead of the fused step"),
+            }
+        }
+        Ok(model)
+    }
+
+    /// Whether forwards run the fused CUDA step rather than candle ops.
+    pub fn uses_fused_step(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if self.fused.is_some() {
+            return true;
+        }
+        false
+    }
+
+    /// Times every kernel of the fused CUDA step with events from now on (or stops); forwards
+    /// then launch eagerly. No effect elsewhere.
+    pub fn profile_kernels(&mut self, on: bool) {
+        #[cfg(feature = "cuda")]
+        if let Some(f) = &mut self.fused {
+            f.set_profiling(on);
+        }
+        let _ = on;
+    }
+
+    /// GPU time per kernel class since `profile_kernels(true)` (empty off the fused step).
+    pub fn kernel_times(&mut self) -> Result<Vec<profile::KernelTime>> {
+        #[cfg(feature = "cuda")]
+        if let Some(f) = &mut self.fused {
+            return f.kernel_times();
+        }
+        Ok(Vec::new())
+    }
+
+    /// Per layer: q, k, v, o, gate, up, down.
+    pub(crate) fn layer_linears(&self) -> impl Iterator<Item = [&Linear; 7]> + '_ {
+        self.layers.iter().map(|l| {
+            let (a, m) = (&l.self_attn, &l.mlp);
+            [
+                &a.q_proj,
+                &a.k_proj,
+                &a.v_proj,
+                &a.o_proj,
+                &m.gate_proj,
+                &m.up_proj,
+                &m.down_proj,
+            ]
         })
+    }
+
+    /// Per layer: input, post-attention, q and k norm weights.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn layer_norms(&self) -> impl Iterator<Item = [&Tensor; 4]> + '_ {
+        self.layers.iter().map(|l| {
+            [
+                &l.input_layernorm,
+                &l.post_attention_layernorm,
+                &l.self_attn.q_norm,
+                &l.self_attn.k_norm,
+            ]
+        })
+    }
+
+    pub(crate) fn projections(&self) -> impl Iterator<Item = &Weight> + '_ {
+        self.layer_linears().flat_map(|l| l.map(|l| &l.weight))
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn embed_weight(&self) -> &Weight {
+        &self.embed_tokens.weight
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn lm_head_linear(&self) -> &Linear {
+        &self.lm_head
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn final_norm(&self) -> &Tensor {
+        &self.norm
     }
 
     /// Runs attention through candle ops on the CPU too, instead of `attention_cpu` (the
@@ -542,41 +649,15 @@ impl Qwen3 {
 
     /// Projections (and the head) running on candle's Q4_1 kernels after `--qmatmul repack`.
     pub fn repacked_projections(&self) -> usize {
-        let r = |l: &Linear| matches!(l.weight, Weight::Repacked { .. }) as usize;
-        self.layers
-            .iter()
-            .map(|l| {
-                let a = &l.self_attn;
-                r(&a.q_proj)
-                    + r(&a.k_proj)
-                    + r(&a.v_proj)
-                    + r(&a.o_proj)
-                    + r(&l.mlp.gate_proj)
-                    + r(&l.mlp.up_proj)
-                    + r(&l.mlp.down_proj)
-            })
-            .sum::<usize>()
-            + r(&self.lm_head)
+        let r = |w: &Weight| matches!(w, Weight::Repacked { .. }) as usize;
+        self.projections().map(r).sum::<usize>() + r(&self.lm_head.weight)
     }
 
     /// Bytes of weights one decode step reads (every projection, the head, one embedding row).
     pub fn weight_bytes_per_token(&self) -> usize {
-        let lin = |l: &Linear| l.weight.nbytes();
-        let per_layer: usize = self
-            .layers
-            .iter()
-            .map(|l| {
-                let a = &l.self_attn;
-                lin(&a.q_proj)
-                    + lin(&a.k_proj)
-                    + lin(&a.v_proj)
-                    + lin(&a.o_proj)
-                    + lin(&l.mlp.gate_proj)
-                    + lin(&l.mlp.up_proj)
-                    + lin(&l.mlp.down_proj)
-            })
-            .sum();
-        per_layer + lin(&self.lm_head) + self.embed_tokens.weight.nbytes() / self.cfg.vocab_size
+        self.projections().map(Weight::nbytes).sum::<usize>()
+            + self.lm_head.weight.nbytes()
+            + self.embed_tokens.weight.nbytes() / self.cfg.vocab_size
     }
 
     /// Runs `ids` at the current cache position and appends them to the cache.
@@ -591,6 +672,22 @@ impl Qwen3 {
             return Err(EngineError::Invalid(
                 "forward needs at least one token".into(),
             ));
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(f) = &mut self.fused {
+            let (logits, hidden) = f.forward(ids, self.offset, all_logits, keep_hidden)?;
+            self.offset += l;
+            let rows = if all_logits { l } else { 1 };
+            let h = self.cfg.hidden_size;
+            let hidden = hidden
+                .into_iter()
+                .map(|v| {
+                    let n = v.len() / h;
+                    Tensor::from_vec(v, (n, h), &self.device)
+                })
+                .collect::<candle_core::Result<_>>()?;
+            let logits = Tensor::from_vec(logits, (rows, self.cfg.vocab_size), &self.device)?;
+            return Ok(ForwardOutput { logits, hidden });
         }
         let mut x = self.embed_tokens.forward(ids, &self.device)?; // (L, H)
         let rope = rope_tables(&self.cfg, self.offset, l, &self.device)?;
@@ -632,6 +729,17 @@ impl Qwen3 {
 
     /// Logits of the last position of `ids`, as a host vector.
     pub fn next_logits(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
+        #[cfg(feature = "cuda")]
+        if let Some(f) = &mut self.fused {
+            if ids.is_empty() {
+                return Err(EngineError::Invalid(
+                    "forward needs at least one token".into(),
+                ));
+            }
+            let (logits, _) = f.forward(ids, self.offset, false, false)?;
+            self.offset += ids.len();
+            return Ok(logits);
+        }
         let out = self.forward(ids, false, false)?;
         Ok(out.logits.squeeze(0)?.to_vec1::<f32>()?)
     }

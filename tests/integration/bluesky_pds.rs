@@ -453,7 +453,10 @@ fn proxy_one(
     };
     if first_create {
         match fault {
-            Fault::LoseRequest => return drop(handled.send(())),
+            Fault::LoseRequest => {
+                let _ = handled.send(());
+                return;
+            }
             Fault::Hold { forward: false } => return hold(),
             _ => {}
         }

@@ -13,59 +13,15 @@
 // 64x32 tile of W into shared memory and runs TF32 tensor-core MMAs (wmma 16x16x8), so the
 // dequantized matrix never exists in global memory and each weight is read once per 64 rows.
 //
+// qmv4_m1 (decode at 4 bits, one row of x) is the fast path of qmv; see its comment.
+// qmv, qmv4_m1 and qmm apply an epilogue (LoRA term, residual) to each output: see common.cuh.
+//
 // Scales and biases arrive raw, in the file's dtype: 0 = bf16, 1 = f16, 2 = f32.
 
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
 #include <mma.h>
-#include <stdint.h>
+#include "common.cuh"
 
 using namespace nvcuda;
-
-__device__ __forceinline__ float load_param(const void* p, int i, int dtype) {
-    if (dtype == 0) {
-        // bf16 is the top half of an f32
-        unsigned int v = ((const unsigned short*)p)[i];
-        return __uint_as_float(v << 16);
-    } else if (dtype == 1) {
-        return __half2float(((const __half*)p)[i]);
-    }
-    return ((const float*)p)[i];
-}
-
-// 16 codes starting at code index k (k % 16 == 0) of a packed row, for any width 2..8.
-__device__ __forceinline__ void unpack16(const uint8_t* row, int k, int bits, float* q) {
-    if (bits == 4) {
-        uint2 v = *(const uint2*)(row + k / 2);
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            q[i] = (float)((v.x >> (4 * i)) & 15u);
-            q[8 + i] = (float)((v.y >> (4 * i)) & 15u);
-        }
-    } else if (bits == 8) {
-        uint4 v = *(const uint4*)(row + k);
-        unsigned int w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < 16; i++) q[i] = (float)((w[i / 4] >> (8 * (i % 4))) & 255u);
-    } else {
-        // 16 codes span exactly 2*bits bytes starting at byte k*bits/8.
-        const uint8_t* b = row + (k / 16) * 2 * bits;
-        unsigned long long lo = 0, hi = 0;
-        for (int i = 0; i < 2 * bits; i++) {
-            unsigned long long byte = b[i];
-            if (i < 8) lo |= byte << (8 * i); else hi |= byte << (8 * (i - 8));
-        }
-        unsigned int mask = (1u << bits) - 1u;
-        for (int i = 0; i < 16; i++) {
-            int bit = i * bits;
-            unsigned long long v;
-            if (bit >= 64) v = hi >> (bit - 64);
-            else if (bit + bits <= 64) v = lo >> bit;
-            else v = (lo >> bit) | (hi << (64 - bit));
-            q[i] = (float)((unsigned int)v & mask);
-        }
-    }
-}
 
 #define QMV_WARPS 8
 #define QMV_MT 8
@@ -73,8 +29,8 @@ __device__ __forceinline__ void unpack16(const uint8_t* row, int k, int bits, fl
 // x (M, K) row-major, y (M, N) row-major. Grid: ceil(N / QMV_WARPS) blocks of 32*QMV_WARPS.
 extern "C" __global__ void qmv_f32(const float* __restrict__ x, const uint8_t* __restrict__ w,
                                    const void* __restrict__ scales, const void* __restrict__ biases,
-                                   float* __restrict__ y, int M, int N, int K, int bits,
-                                   int group_size, int sdtype) {
+                                   float* y, int M, int N, int K, int bits,
+                                   int group_size, int sdtype, Epi e) {
     const int lane = threadIdx.x & 31;
     const int n = blockIdx.x * QMV_WARPS + (threadIdx.x >> 5);
     if (n >= N) return;
@@ -115,10 +71,154 @@ extern "C" __global__ void qmv_f32(const float* __restrict__ x, const uint8_t* _
             float v = acc[m];
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == 0 && m < mt) y[(size_t)(m0 + m) * N + n] = v;
+            if (lane == 0 && m < mt) y[(size_t)(m0 + m) * N + n] = epilogue(v, m0 + m, n, N, e);
         }
     }
 }
+
+// qmv4_m1_r2/_r4 (decode, one row of x, 4-bit): each warp computes 2 or 4 output rows, a lane
+// taking 32 codes (one 16-byte load) of each row per step, so every x value a lane holds serves
+// every row of the warp. The block first stages x in shared memory (RMS-normalized with `norm_w` if given, as
+// rms_norm_f32 computes it, which saves the norm's own launch), in an order where lane L's 32
+// values of a step are float4 slots L, L+32, ..., L+224: reads are then free of bank conflicts.
+// Codes become floats without integer conversion (quarter-rate on sm_90): a nibble masked in
+// place, OR-ed into the mantissa of 2^23, minus 2^23, is 16^j * q exactly for nibble j of a
+// 16-bit half, so x is pre-divided by 16^j once per step (as MLX's qmv_fast does).
+
+__device__ __forceinline__ float nib(unsigned int v, unsigned int mask) {
+    return __uint_as_float((v & mask) | 0x4B000000u) - 8388608.f;
+}
+
+// Slot of x's float4 number c in the staged layout (blocks of 256 float4 = 1024 codes).
+__device__ __forceinline__ int q4_slot(int c) {
+    const int w = c & 255;
+    return (c & ~255) + (w & 7) * 32 + (w >> 3);
+}
+
+// ROWS rows per warp. Grid: ceil(N / (ROWS * warps)) blocks of 32 * warps threads (warps <= 32);
+// dynamic shared memory: K rounded up to 1024, times 4 bytes. With e.swiglu the rows come in
+// (gate, up) pairs and y receives silu(gate) * up, one value per pair.
+template <int ROWS>
+__device__ void qmv4(const float* __restrict__ x, const uint8_t* __restrict__ w,
+                     const void* __restrict__ scales, const void* __restrict__ biases, float* y,
+                     int N, int K, int group_size, int sdtype, const float* __restrict__ norm_w,
+                     float eps, const Epi& e) {
+    extern __shared__ float4 xsm[];
+    __shared__ float part[32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+    const int row0 = (blockIdx.x * nw + warp) * ROWS;
+    const size_t rb = (size_t)K / 2;
+    // the first step's weights are requested before x is staged, to overlap the two
+    uint4 wv[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++)
+        wv[r] = row0 + r < N && lane * 32 < K ? *(const uint4*)(w + (size_t)(row0 + r) * rb + lane * 16)
+                                              : make_uint4(0u, 0u, 0u, 0u);
+    const float4* x4 = (const float4*)x;
+    float ss = 0.f;
+    for (int c = tid; c < K / 4; c += blockDim.x) {
+        const float4 v = x4[c];
+        ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
+        xsm[q4_slot(c)] = v;
+    }
+    if (norm_w) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) part[warp] = ss;
+        __syncthreads();
+        float t = 0.f;
+        for (int i = 0; i < nw; i++) t += part[i];
+        const float rn = rsqrtf(t / (float)K + eps);
+        const float4* g4 = (const float4*)norm_w;
+        for (int c = tid; c < K / 4; c += blockDim.x) {
+            // the thread rewrites the slot it wrote above
+            const float4 v = xsm[q4_slot(c)], g = g4[c];
+            xsm[q4_slot(c)] = make_float4(v.x * rn * g.x, v.y * rn * g.y, v.z * rn * g.z, v.w * rn * g.w);
+        }
+    }
+    __syncthreads();
+    if (row0 >= N) return;
+
+    const int groups = K / group_size;
+    float acc[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
+    for (int k = lane * 32; k < K; k += 32 * 32) {
+        // next step's weights in flight while this one is computed
+        uint4 nv[ROWS];
+        const int kn = k + 32 * 32;
+#pragma unroll
+        for (int r = 0; r < ROWS; r++)
+            nv[r] = row0 + r < N && kn < K ? *(const uint4*)(w + (size_t)(row0 + r) * rb + kn / 2)
+                                           : make_uint4(0u, 0u, 0u, 0u);
+        float xs[32];
+        float xsum = 0.f;
+        const float4* xb = xsm + (k & ~1023) / 4 + lane;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const float4 v = xb[32 * j];
+            xsum += (v.x + v.y) + (v.z + v.w);
+            xs[4 * j] = v.x;
+            xs[4 * j + 1] = v.y * (1.f / 16.f);
+            xs[4 * j + 2] = v.z * (1.f / 256.f);
+            xs[4 * j + 3] = v.w * (1.f / 4096.f);
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            const unsigned int wd[4] = {wv[r].x, wv[r].y, wv[r].z, wv[r].w};
+            float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const unsigned int lo = wd[u], hi = wd[u] >> 16;
+                const float* xu = xs + 8 * u;
+                p0 = fmaf(nib(lo, 0x000Fu), xu[0], p0);
+                p0 = fmaf(nib(lo, 0x00F0u), xu[1], p0);
+                p0 = fmaf(nib(lo, 0x0F00u), xu[2], p0);
+                p0 = fmaf(nib(lo, 0xF000u), xu[3], p0);
+                p1 = fmaf(nib(hi, 0x000Fu), xu[4], p1);
+                p1 = fmaf(nib(hi, 0x00F0u), xu[5], p1);
+                p1 = fmaf(nib(hi, 0x0F00u), xu[6], p1);
+                p1 = fmaf(nib(hi, 0xF000u), xu[7], p1);
+            }
+            const int n = min(row0 + r, N - 1);
+            const int g = n * groups + k / group_size;
+            const float s = load_param(scales, g, sdtype);
+            const float b = load_param(biases, g, sdtype);
+            acc[r] = fmaf(s, p0 + p1, fmaf(b, xsum, acc[r]));
+            wv[r] = nv[r];
+        }
+    }
+    float out[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        float v = acc[r];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        out[r] = row0 + r < N ? epilogue(v, 0, row0 + r, N, e) : 0.f;
+    }
+    if (e.swiglu) {
+#pragma unroll
+        for (int r = 0; r < ROWS; r += 2)
+            if (lane == r && row0 + r < N) {
+                const float g = out[r];
+                y[(row0 + r) / 2] = g / (1.f + expf(-g)) * out[r + 1];
+            }
+    } else {
+#pragma unroll
+        for (int r = 0; r < ROWS; r++)
+            if (lane == r && row0 + r < N) y[row0 + r] = out[r];
+    }
+}
+
+#define QMV4(R)                                                                                   \
+    extern "C" __global__ void qmv4_m1_r##R(const float* x, const uint8_t* w, const void* scales, \
+                                            const void* biases, float* y, int N, int K,           \
+                                            int group_size, int sdtype, const float* norm_w,      \
+                                            float eps, Epi e) {                                   \
+        qmv4<R>(x, w, scales, biases, y, N, K, group_size, sdtype, norm_w, eps, e);               \
+    }
+QMV4(2)
+QMV4(4)
 
 #define QMM_BM 64
 #define QMM_BN 64
@@ -129,8 +229,8 @@ extern "C" __global__ void qmv_f32(const float* __restrict__ x, const uint8_t* _
 // Grid: (ceil(N / 64), ceil(M / 64)), 128 threads (4 warps, each 16 rows of x by 64 of W).
 extern "C" __global__ void qmm_tf32(const float* __restrict__ x, const uint8_t* __restrict__ w,
                                     const void* __restrict__ scales, const void* __restrict__ biases,
-                                    float* __restrict__ y, int M, int N, int K, int bits,
-                                    int group_size, int sdtype) {
+                                    float* y, int M, int N, int K, int bits,
+                                    int group_size, int sdtype, Epi e) {
     __shared__ __align__(32) float As[QMM_BM][QMM_BK + QMM_PAD];
     __shared__ __align__(32) float Bs[QMM_BN][QMM_BK + QMM_PAD];
     __shared__ __align__(32) float Cs[QMM_BM][QMM_BN + QMM_PAD];
@@ -196,7 +296,8 @@ extern "C" __global__ void qmm_tf32(const float* __restrict__ x, const uint8_t* 
     __syncthreads();
     for (int i = tid; i < QMM_BM * QMM_BN; i += QMM_THREADS) {
         const int r = i / QMM_BN, c = i % QMM_BN;
-        if (m0 + r < M && n0 + c < N) y[(size_t)(m0 + r) * N + n0 + c] = Cs[r][c];
+        if (m0 + r < M && n0 + c < N)
+            y[(size_t)(m0 + r) * N + n0 + c] = epilogue(Cs[r][c], m0 + r, n0 + c, N, e);
     }
 }
 

@@ -1,0 +1,78 @@
+// Helpers shared by the CUDA kernels: reading MLX's group scales/biases in their stored dtype,
+// unpacking 16 codes of a packed row, and the epilogue applied to each output element.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+__device__ __forceinline__ float load_param(const void* p, int i, int dtype) {
+    if (dtype == 0) {
+        // bf16 is the top half of an f32
+        unsigned int v = ((const unsigned short*)p)[i];
+        return __uint_as_float(v << 16);
+    } else if (dtype == 1) {
+        return __half2float(((const __half*)p)[i]);
+    }
+    return ((const float*)p)[i];
+}
+
+// 16 codes starting at code index k (k % 16 == 0) of a packed row, for any width 2..8.
+__device__ __forceinline__ void unpack16(const uint8_t* row, int k, int bits, float* q) {
+    if (bits == 4) {
+        uint2 v = *(const uint2*)(row + k / 2);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            q[i] = (float)((v.x >> (4 * i)) & 15u);
+            q[8 + i] = (float)((v.y >> (4 * i)) & 15u);
+        }
+    } else if (bits == 8) {
+        uint4 v = *(const uint4*)(row + k);
+        unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 16; i++) q[i] = (float)((w[i / 4] >> (8 * (i % 4))) & 255u);
+    } else {
+        // 16 codes span exactly 2*bits bytes starting at byte k*bits/8.
+        const uint8_t* b = row + (k / 16) * 2 * bits;
+        unsigned long long lo = 0, hi = 0;
+        for (int i = 0; i < 2 * bits; i++) {
+            unsigned long long byte = b[i];
+            if (i < 8) lo |= byte << (8 * i); else hi |= byte << (8 * (i - 8));
+        }
+        unsigned int mask = (1u << bits) - 1u;
+        for (int i = 0; i < 16; i++) {
+            int bit = i * bits;
+            unsigned long long v;
+            if (bit >= 64) v = hi >> (bit - 64);
+            else if (bit + bits <= 64) v = lo >> bit;
+            else v = (lo >> bit) | (hi << (64 - bit));
+            q[i] = (float)((unsigned int)v & mask);
+        }
+    }
+}
+
+// What happens to an output element after the matmul: an optional LoRA term and an optional
+// residual, in mlx_lm's order (base + lora, then residual + that). `lora_bt` is the B matrix
+// transposed and pre-multiplied by the adapter scale, one row of `r` values per output; outputs
+// [0, seg1) use t's first r columns, [seg1, seg2) the next r, the rest the third (q|k|v is one
+// matmul over concatenated weights); with `pairs`, even outputs use the first r and odd ones the
+// next (gate|up, whose rows are interleaved). `residual` may alias y. `swiglu` is read by the
+// decode kernel only: y gets silu(even) * odd per pair of outputs.
+struct Epi {
+    const float* residual;
+    const float* lora_t;
+    const float* lora_bt;
+    int r, rtot, seg1, seg2, pairs, swiglu;
+};
+
+__device__ __forceinline__ float epilogue(float v, int m, int n, int N, const Epi& e) {
+    if (e.lora_t) {
+        const int seg = e.pairs ? (n & 1) : (n >= e.seg1) + (n >= e.seg2);
+        const float* t = e.lora_t + (size_t)m * e.rtot + seg * e.r;
+        const float* b = e.lora_bt + (size_t)n * e.r;
+        float s = 0.f;
+        for (int j = 0; j < e.r; j++) s = fmaf(t[j], b[j], s);
+        v += s;
+    }
+    if (e.residual) v = e.residual[(size_t)m * N + n] + v;
+    return v;
+}

@@ -1,0 +1,254 @@
+// The non-matmul kernels of a Qwen3 forward on CUDA (src/engine/cuda_fused.rs drives them), each
+// replacing a run of candle ops, with mlx_lm's numerics (mlx_lm/models/qwen3.py) in fp32:
+// RMSNorm with a plain weight; per-head q/k RMSNorm, then half-split RoPE, then the KV cache
+// write, in one kernel; single-pass attention with an online softmax over the cache; SwiGLU; the
+// LoRA A product. Positions come from device memory (`pos`), so a captured CUDA graph of a
+// decode step stays valid from one token to the next.
+//
+// Layouts: activations (M, width) row-major; qkv rows are [q heads | k heads | v heads]; the KV
+// cache of a layer is (capacity, n_kv, head_dim); cos/sin tables are (capacity, head_dim / 2).
+
+#include <stdint.h>
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over a block whose size is a multiple of 32 (at most 1024); every thread gets the total.
+__device__ float block_sum(float v) {
+    __shared__ float part[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // `part` may still be read by a previous call
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    float t = 0.f;
+    for (int i = 0; i < (int)(blockDim.x >> 5); i++) t += part[i];
+    return t;
+}
+
+// out[m] = x[m] * rsqrt(mean(x[m]^2) + eps) * w. Grid: M blocks.
+extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
+                                        float* __restrict__ out, int H, float eps) {
+    const float* xr = x + (size_t)blockIdx.x * H;
+    float* o = out + (size_t)blockIdx.x * H;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
+    const float r = rsqrtf(block_sum(ss) / (float)H + eps);
+    for (int i = threadIdx.x; i < H; i += blockDim.x) o[i] = xr[i] * r * w[i];
+}
+
+// Grid (n_heads + n_kv, M); block: half = head_dim / 2 threads rounded up to a multiple of 32.
+// Thread t owns the RoPE pair (t, t + half). q heads are normed and rotated in place; k heads are
+// normed, rotated and written to the cache at position pos + m, with the matching v head.
+extern "C" __global__ void qk_norm_rope_cache(float* __restrict__ qkv, const float* __restrict__ qnw,
+                                              const float* __restrict__ knw, float* __restrict__ kc,
+                                              float* __restrict__ vc, const float* __restrict__ cos_t,
+                                              const float* __restrict__ sin_t, const int* __restrict__ pos,
+                                              int nh, int nkv, int hd, float eps) {
+    const int h = blockIdx.x, m = blockIdx.y, t = threadIdx.x, half = hd / 2;
+    const int p = pos[0] + m;
+    float* row = qkv + (size_t)m * (nh + 2 * nkv) * hd;
+    const bool is_q = h < nh;
+    float* src = row + (size_t)h * hd;  // k heads follow the q heads
+    const float* nw = is_q ? qnw : knw;
+    const bool on = t < half;
+    float a = on ? src[t] : 0.f, b = on ? src[t + half] : 0.f;
+    const float r = rsqrtf(block_sum(a * a + b * b) / (float)hd + eps);
+    if (!on) return;
+    a = a * r * nw[t];
+    b = b * r * nw[t + half];
+    const float c = cos_t[(size_t)p * half + t], s = sin_t[(size_t)p * half + t];
+    const float o1 = a * c - b * s, o2 = a * s + b * c;
+    if (is_q) {
+        src[t] = o1;
+        src[t + half] = o2;
+        return;
+    }
+    const int kvh = h - nh;
+    const size_t at = ((size_t)p * nkv + kvh) * hd;
+    kc[at + t] = o1;
+    kc[at + t + half] = o2;
+    const float* v = row + (size_t)(nh + nkv + kvh) * hd;
+    vc[at + t] = v[t];
+    vc[at + t + half] = v[t + half];
+}
+
+#define ATT_WARPS 8
+
+// Grid (n_heads, M), 32 * ATT_WARPS threads; one instance per head_dim (32, 64, 128, 256), so
+// the loops over a head unroll and every load of a key or value row is in flight at once. Query
+// row m (absolute position pos + m) attends to cache positions 0..=pos+m. Each warp takes chunks
+// of 32 keys: a lane scores one key, the chunk updates the warp's running max and sum, then the
+// lanes (one per 32nd of head_dim) accumulate the values; the warps are merged at the end.
+template <int HD>
+__device__ __forceinline__ void attention(const float* __restrict__ qkv, const float* __restrict__ kc,
+                          const float* __restrict__ vc, float* __restrict__ out,
+                          const int* __restrict__ pos, int nh, int nkv, float scale) {
+    constexpr int DPL = HD / 32;
+    __shared__ __align__(16) float qs[HD];
+    __shared__ float wm[ATT_WARPS], wl[ATT_WARPS];
+    __shared__ float wacc[ATT_WARPS][HD];
+    const int h = blockIdx.x, m = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int keys = pos[0] + m + 1;
+    const int kvh = h / (nh / nkv);
+    const float* q = qkv + (size_t)m * (nh + 2 * nkv) * HD + (size_t)h * HD;
+    for (int i = threadIdx.x; i < HD; i += blockDim.x) qs[i] = q[i] * scale;
+    __syncthreads();
+
+    float acc[DPL];
+#pragma unroll
+    for (int d = 0; d < DPL; d++) acc[d] = 0.f;
+    float mx = -INFINITY, l = 0.f;
+    for (int j0 = warp * 32; j0 < keys; j0 += ATT_WARPS * 32) {
+        const int j = j0 + lane;
+        float s = -INFINITY;
+        if (j < keys) {
+            // a lane reads its key row in batches of 16 float4, all in flight before any FMA:
+            // the chunk costs a few memory round trips rather than one per load
+            const float4* kr = (const float4*)(kc + ((size_t)j * nkv + kvh) * HD);
+            const float4* q4 = (const float4*)qs;
+            float d0 = 0.f, d1 = 0.f;
+#pragma unroll
+            for (int c = 0; c < HD / 4; c += 16) {
+                float4 kk[16];
+#pragma unroll
+                for (int i = 0; i < 16 && c + i < HD / 4; i++) kk[i] = kr[c + i];
+#pragma unroll
+                for (int i = 0; i < 16 && c + i < HD / 4; i += 2) {
+                    const float4 a = q4[c + i], b = q4[c + i + 1];
+                    d0 = fmaf(a.x, kk[i].x, fmaf(a.y, kk[i].y, fmaf(a.z, kk[i].z, fmaf(a.w, kk[i].w, d0))));
+                    d1 = fmaf(b.x, kk[i + 1].x, fmaf(b.y, kk[i + 1].y, fmaf(b.z, kk[i + 1].z, fmaf(b.w, kk[i + 1].w, d1))));
+                }
+            }
+            s = d0 + d1;
+        }
+        // lane 0's key exists (j0 < keys), so the new max is finite
+        const float nm = fmaxf(mx, warp_max(s));
+        const float e = j < keys ? expf(s - nm) : 0.f;
+        const float corr = expf(mx - nm);
+        l = l * corr + warp_sum(e);
+#pragma unroll
+        for (int d = 0; d < DPL; d++) acc[d] *= corr;
+        const float* vbase = vc + ((size_t)j0 * nkv + kvh) * HD + lane;
+        const size_t vstride = (size_t)nkv * HD;
+        if (j0 + 32 <= keys) {
+            // values in batches of 16 keys (DPL floats each), loaded before they are used
+            constexpr int VB = DPL <= 4 ? 16 : 8;
+#pragma unroll
+            for (int b0 = 0; b0 < 32; b0 += VB) {
+                float vv[VB][DPL];
+#pragma unroll
+                for (int jj = 0; jj < VB; jj++)
+#pragma unroll
+                    for (int d = 0; d < DPL; d++) vv[jj][d] = vbase[(b0 + jj) * vstride + 32 * d];
+#pragma unroll
+                for (int jj = 0; jj < VB; jj++) {
+                    const float pj = __shfl_sync(0xffffffffu, e, b0 + jj);
+#pragma unroll
+                    for (int d = 0; d < DPL; d++) acc[d] = fmaf(pj, vv[jj][d], acc[d]);
+                }
+            }
+        } else {
+            const int cnt = keys - j0;
+            for (int jj = 0; jj < cnt; jj++) {
+                const float pj = __shfl_sync(0xffffffffu, e, jj);
+#pragma unroll
+                for (int d = 0; d < DPL; d++) acc[d] = fmaf(pj, vbase[jj * vstride + 32 * d], acc[d]);
+            }
+        }
+        mx = nm;
+    }
+    if (lane == 0) {
+        wm[warp] = mx;
+        wl[warp] = l;
+    }
+#pragma unroll
+    for (int d = 0; d < DPL; d++) wacc[warp][lane + 32 * d] = acc[d];
+    __syncthreads();
+    float gm = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < ATT_WARPS; w++) gm = fmaxf(gm, wm[w]);
+    float tl = 0.f;
+#pragma unroll
+    for (int w = 0; w < ATT_WARPS; w++) tl += wl[w] * expf(wm[w] - gm);  // idle warps: 0 * 0
+    float* o = out + (size_t)m * nh * HD + (size_t)h * HD;
+    for (int i = threadIdx.x; i < HD; i += blockDim.x) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; w++) v += wacc[w][i] * expf(wm[w] - gm);
+        o[i] = v / tl;
+    }
+}
+
+#define ATTENTION(HD)                                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, 1) attention_f32_hd##HD(const float* qkv, const float* kc,            \
+                                                    const float* vc, float* out, const int* pos,   \
+                                                    int nh, int nkv, float scale) {                \
+        attention<HD>(qkv, kc, vc, out, pos, nh, nkv, scale);                                      \
+    }
+ATTENTION(32)
+ATTENTION(64)
+ATTENTION(128)
+ATTENTION(256)
+
+// act (M, I) = silu(gate) * up, from gu rows of interleaved (gate, up) pairs.
+extern "C" __global__ void swiglu_f32(const float* __restrict__ gu, float* __restrict__ act, int I,
+                                      int total) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    const int m = i / I, c = i % I;
+    const float g = gu[(size_t)m * 2 * I + 2 * c], u = gu[(size_t)m * 2 * I + 2 * c + 1];
+    act[i] = g / (1.f + expf(-g)) * u;
+}
+
+// t (M, R) = x (M, K) @ at^T with at (R, K): the LoRA A products of the projections that share
+// x, concatenated. With `norm_w`, x is RMS-normalized first (as rms_norm_f32; the row's scale is
+// factored out of the dot product). Grid (R, M), 256 threads splitting K: a block per output,
+// so the few outputs (3 x rank at most) still spread over many SMs.
+extern "C" __global__ void lora_a_f32(const float* __restrict__ x, const float* __restrict__ at,
+                                      float* __restrict__ t, int K, int R,
+                                      const float* __restrict__ norm_w, float eps) {
+    __shared__ float ps[8], pss[8];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int j = blockIdx.x, m = blockIdx.y;
+    const float4* xr = (const float4*)(x + (size_t)m * K);
+    const float4* ar = (const float4*)(at + (size_t)j * K);
+    const float4* nr = (const float4*)norm_w;
+    float s = 0.f, ss = 0.f;
+    for (int k = threadIdx.x; k < K / 4; k += blockDim.x) {
+        float4 a = ar[k];
+        const float4 v = xr[k];
+        if (norm_w) {
+            const float4 g = nr[k];
+            a = make_float4(a.x * g.x, a.y * g.y, a.z * g.z, a.w * g.w);
+            ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
+        }
+        s = fmaf(a.x, v.x, fmaf(a.y, v.y, fmaf(a.z, v.z, fmaf(a.w, v.w, s))));
+    }
+    s = warp_sum(s);
+    ss = warp_sum(ss);
+    if (lane == 0) {
+        ps[warp] = s;
+        pss[warp] = ss;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float st = 0.f, sst = 0.f;
+        for (int i = 0; i < (int)(blockDim.x >> 5); i++) {
+            st += ps[i];
+            sst += pss[i];
+        }
+        if (norm_w) st *= rsqrtf(sst / (float)K + eps);
+        t[(size_t)m * R + j] = st;
+    }
+}

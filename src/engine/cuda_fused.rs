@@ -1,0 +1,949 @@
+//! Qwen3's forward on CUDA as a fixed sequence of our own kernels (`cuda/step.cu`,
+//! `cuda/qmatmul.cu`) on buffers allocated once: nine launches per layer (thirteen with LoRA)
+//! instead of ~30 candle ops, q|k|v and gate|up each one matmul over concatenated weights, the
+//! residual adds and the LoRA B products folded into the matmuls' epilogues, and a decode step
+//! captured once as a CUDA graph and replayed for every token. The numerics are those of
+//! `qwen3.rs` (mlx_lm's Qwen3), which stays the reference and the path of the other devices.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::cuda_backend::cudarc::driver::{
+    sys, CudaEvent, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+    PushKernelArg,
+};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::CudaDevice;
+
+use super::error::{EngineError, Result};
+use super::lora::LoraBranch;
+use super::profile::KernelTime;
+use super::quant::{CpuKernel, QMatrix};
+use super::quant_cuda::{resident, Epi, GpuQMatrix, MODULE as QMODULE, PTX as QPTX};
+use super::qwen3::{CudaStep, Linear, Qwen3, Weight};
+
+const STEP_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/step.ptx"));
+const STEP_MODULE: &str = "bot_step";
+const QMATMUL_KERNELS: [&str; 5] = [
+    "qmv_f32",
+    "qmv4_m1_r2",
+    "qmv4_m1_r4",
+    "qmm_tf32",
+    "qgather_f32",
+];
+const STEP_KERNELS: [&str; 8] = [
+    "rms_norm_f32",
+    "qk_norm_rope_cache",
+    "attention_f32_hd32",
+    "attention_f32_hd64",
+    "attention_f32_hd128",
+    "attention_f32_hd256",
+    "swiglu_f32",
+    "lora_a_f32",
+];
+
+/// A projection (or several sharing an input, concatenated by output rows) ready to run.
+struct Proj {
+    w: Arc<GpuQMatrix>,
+    n: usize,
+    k: usize,
+    bits: usize,
+    group_size: usize,
+    sdtype: i32,
+    lora: Option<ProjLora>,
+    /// Rows of the parts alternate (gate_0, up_0, gate_1, ...) rather than follow each other.
+    interleaved: bool,
+}
+
+/// LoRA of a `Proj`: `at` (rtot, k) holds each part's A transposed, rank-padded to `r`; `bt`
+/// (n, r) each output's column of B, times the adapter scale.
+struct ProjLora {
+    at: CudaSlice<f32>,
+    bt: CudaSlice<f32>,
+    r: usize,
+    rtot: usize,
+    seg1: usize,
+    seg2: usize,
+}
+
+struct Layer {
+    in_norm: CudaSlice<f32>,
+    post_norm: CudaSlice<f32>,
+    q_norm: CudaSlice<f32>,
+    k_norm: CudaSlice<f32>,
+    qkv: Proj,
+    o: Proj,
+    gu: Proj,
+    down: Proj,
+}
+
+#[derive(Clone, Copy)]
+struct Dims {
+    h: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    inter: usize,
+    vocab: usize,
+    eps: f32,
+    theta: f64,
+}
+
+impl Dims {
+    fn qkv(&self) -> usize {
+        (self.nh + 2 * self.nkv) * self.hd
+    }
+}
+
+/// Activations for up to `rows` positions.
+struct Buffers {
+    rows: usize,
+    x: CudaSlice<f32>,
+    xn: CudaSlice<f32>,
+    qkv: CudaSlice<f32>,
+    ao: CudaSlice<f32>,
+    gu: CudaSlice<f32>,
+    act: CudaSlice<f32>,
+    t: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    ids: CudaSlice<u32>,
+}
+
+/// Per-layer K and V for `cap` positions, (cap, n_kv, head_dim), and the RoPE tables.
+struct Cache {
+    cap: usize,
+    k: Vec<CudaSlice<f32>>,
+    v: Vec<CudaSlice<f32>>,
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
+}
+
+enum Arg {
+    P(u64),
+    I(i32),
+    F(f32),
+    E(Epi),
+}
+
+pub struct FusedQwen3 {
+    dev: CudaDevice,
+    stream: Arc<CudaStream>,
+    funcs: HashMap<&'static str, CudaFunction>,
+    d: Dims,
+    layers: Vec<Layer>,
+    norm: CudaSlice<f32>,
+    embed: Proj,
+    head: Proj,
+    exact: bool,
+    max_rtot: usize,
+    bufs: Buffers,
+    cache: Cache,
+    pos: CudaSlice<i32>,
+    mode: CudaStep,
+    graph: Option<CudaGraph>,
+    /// While profiling: an event pair around every launch (which then runs eagerly).
+    profile: Option<RefCell<Vec<(&'static str, CudaEvent, CudaEvent)>>>,
+}
+
+/// Dynamic shared memory of `qmv4_m1` for rows of `k` codes (x staged, padded to 1024).
+fn qmv4_smem(k: usize) -> usize {
+    k.next_multiple_of(1024) * 4
+}
+
+fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    s.device_ptr(stream).0
+}
+
+fn quant(w: &Weight) -> Option<&Arc<QMatrix>> {
+    match w {
+        Weight::Quant(q) => Some(q),
+        _ => None,
+    }
+}
+
+/// Why the fused step cannot run this model (the caller falls back to candle ops), if it cannot.
+pub fn unsupported(m: &Qwen3) -> Option<String> {
+    let c = &m.cfg;
+    if ![32, 64, 128, 256].contains(&c.head_dim) {
+        return Some(format!("head_dim {} is not 32, 64, 128 or 256", c.head_dim));
+    }
+    if c.num_attention_heads % c.num_key_value_heads != 0 {
+        return Some("heads are not a multiple of KV heads".into());
+    }
+    let all = m
+        .projections()
+        .chain([m.embed_weight(), &m.lm_head_linear().weight]);
+    for w in all {
+        match w {
+            Weight::Quant(_) => {}
+            _ => return Some("a projection is not MLX-quantized (dense or repacked)".into()),
+        }
+    }
+    for l in m.layer_linears() {
+        for group in [&l[0..3], &l[4..6]] {
+            let q: Vec<&QMatrix> = group
+                .iter()
+                .filter_map(|l| quant(&l.weight))
+                .map(|a| a.as_ref())
+                .collect();
+            let same = q.windows(2).all(|w| {
+                w[0].params.bits == w[1].params.bits
+                    && w[0].params.group_size == w[1].params.group_size
+                    && w[0].scales.dtype == w[1].scales.dtype
+                    && w[0].biases.dtype == w[1].biases.dtype
+            });
+            if !same {
+                return Some(format!(
+                    "{} and its siblings are quantized differently",
+                    q[0].name
+                ));
+            }
+        }
+    }
+    None
+}
+
+fn rope_tables(d: &Dims, cap: usize) -> (Vec<f32>, Vec<f32>) {
+    let half = d.hd / 2;
+    let mut cos = Vec::with_capacity(cap * half);
+    let mut sin = Vec::with_capacity(cap * half);
+    for p in 0..cap {
+        for i in 0..half {
+            // as qwen3::rope_tables: the angle in f64, so the table is exact to f32
+            let angle = p as f64 * d.theta.powf(-(2.0 * i as f64) / d.hd as f64);
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    (cos, sin)
+}
+
+impl FusedQwen3 {
+    /// Uploads `m`'s weights in the fused layout; `unsupported(m)` must be `None`.
+    pub fn new(m: &Qwen3, dev: &CudaDevice, kernel: CpuKernel, mode: CudaStep) -> Result<Self> {
+        let c = &m.cfg;
+        let d = Dims {
+            h: c.hidden_size,
+            nh: c.num_attention_heads,
+            nkv: c.num_key_value_heads,
+            hd: c.head_dim,
+            inter: c.intermediate_size,
+            vocab: c.vocab_size,
+            eps: c.rms_norm_eps as f32,
+            theta: c.rope_theta,
+        };
+        let mut funcs = HashMap::new();
+        for f in QMATMUL_KERNELS {
+            funcs.insert(
+                f,
+                dev.get_or_load_custom_func(f, QMODULE, QPTX)?
+                    .into_cuda_function(),
+            );
+        }
+        for f in STEP_KERNELS {
+            funcs.insert(
+                f,
+                dev.get_or_load_custom_func(f, STEP_MODULE, STEP_PTX)?
+                    .into_cuda_function(),
+            );
+        }
+        let vec = |t: &candle_core::Tensor| -> Result<CudaSlice<f32>> {
+            let v = t
+                .flatten_all()?
+                .to_dtype(candle_core::DType::F32)?
+                .to_vec1::<f32>()?;
+            Ok(dev.clone_htod(&v)?)
+        };
+        let mut layers = Vec::new();
+        let mut max_rtot = 1;
+        for (l, norms) in m.layer_linears().zip(m.layer_norms()) {
+            let qkv = Proj::new(dev, &l[0..3], false)?;
+            let o = Proj::new(dev, &l[3..4], false)?;
+            let gu = Proj::new(dev, &l[4..6], true)?;
+            let down = Proj::new(dev, &l[6..7], false)?;
+            for p in [&qkv, &o, &gu, &down] {
+                if let Some(lo) = &p.lora {
+                    max_rtot = max_rtot.max(lo.rtot);
+                }
+            }
+            layers.push(Layer {
+                in_norm: vec(norms[0])?,
+                post_norm: vec(norms[1])?,
+                q_norm: vec(norms[2])?,
+                k_norm: vec(norms[3])?,
+                qkv,
+                o,
+                gu,
+                down,
+            });
+        }
+        let one = |w: &Weight| -> Result<Proj> {
+            let q =
+                quant(w).ok_or_else(|| EngineError::Invalid("fused step: dense weight".into()))?;
+            Proj::single(dev, q)
+        };
+        // x staged in shared memory: 48 KiB at 12288 wide, which with the kernel's static
+        // shared memory is past the default limit, so opt in to what the widest row needs
+        let widest = m
+            .projections()
+            .filter_map(quant)
+            .map(|q| q.cols)
+            .max()
+            .unwrap_or(0);
+        let smem = qmv4_smem(widest.max(d.h));
+        {
+            for name in ["qmv4_m1_r2", "qmv4_m1_r4"] {
+                if let Some(f) = funcs.get(name) {
+                    f.set_attribute(
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem as i32,
+                    )
+                    .w()?;
+                }
+            }
+        }
+        let embed = one(m.embed_weight())?;
+        let head = one(&m.lm_head_linear().weight)?;
+        let bufs = Buffers::new(dev, &d, 1, max_rtot)?;
+        let cache = Cache::new(dev, &d, c.num_hidden_layers, 256)?;
+        Ok(FusedQwen3 {
+            stream: dev.cuda_stream(),
+            dev: dev.clone(),
+            funcs,
+            d,
+            layers,
+            norm: vec(m.final_norm())?,
+            embed,
+            head,
+            exact: kernel == CpuKernel::Exact,
+            max_rtot,
+            bufs,
+            cache,
+            pos: dev.alloc_zeros::<i32>(1)?,
+            mode,
+            graph: None,
+            profile: None,
+        })
+    }
+
+    /// Starts (or stops) timing every launch with CUDA events; forwards run eagerly meanwhile.
+    pub fn set_profiling(&mut self, on: bool) {
+        self.profile = on.then(|| RefCell::new(Vec::new()));
+    }
+
+    /// GPU time per kernel class since profiling started, largest first; resets the record.
+    pub fn kernel_times(&mut self) -> Result<Vec<KernelTime>> {
+        let Some(rec) = &self.profile else {
+            return Ok(Vec::new());
+        };
+        self.stream.synchronize().w()?;
+        let mut by: HashMap<&'static str, KernelTime> = HashMap::new();
+        for (name, a, b) in rec.borrow_mut().drain(..) {
+            let t = by.entry(name).or_insert(KernelTime {
+                name,
+                calls: 0,
+                ms: 0.0,
+                bytes: 0,
+            });
+            t.calls += 1;
+            t.ms += a.elapsed_ms(&b).w()? as f64;
+        }
+        let per_layer = |f: &dyn Fn(&Layer) -> &Proj| -> usize {
+            self.layers.iter().map(|l| f(l).w.bytes()).sum()
+        };
+        let layers = self.layers.len().max(1);
+        for (name, bytes) in [
+            ("qkv_proj", per_layer(&|l| &l.qkv)),
+            ("o_proj", per_layer(&|l| &l.o)),
+            ("gate_up_proj", per_layer(&|l| &l.gu)),
+            ("down_proj", per_layer(&|l| &l.down)),
+            ("lm_head", self.head.w.bytes() * layers),
+        ] {
+            if let Some(t) = by.get_mut(name) {
+                // calls / layers passes over every layer's matrix (the head: one per forward)
+                t.bytes = bytes * t.calls / layers;
+            }
+        }
+        let mut v: Vec<KernelTime> = by.into_values().collect();
+        v.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+        Ok(v)
+    }
+
+    /// Runs `ids` at cache position `pos`; returns the logits of the last position (or of
+    /// every position) and, when asked for, the hidden states as `qwen3::Qwen3::forward` does.
+    pub fn forward(
+        &mut self,
+        ids: &[u32],
+        pos: usize,
+        all_logits: bool,
+        keep_hidden: bool,
+    ) -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
+        let m = ids.len();
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= self.d.vocab) {
+            return Err(EngineError::Invalid(format!(
+                "token id {id} is outside the vocabulary (size {})",
+                self.d.vocab
+            )));
+        }
+        self.ensure(m, pos + m, all_logits)?;
+        self.stream
+            .memcpy_htod(ids, &mut self.bufs.ids.slice_mut(0..m))
+            .w()?;
+        self.stream.memcpy_htod(&[pos as i32], &mut self.pos).w()?;
+        let mut hidden = Vec::new();
+        let graphable = m == 1 && !all_logits && !keep_hidden && self.profile.is_none();
+        if graphable && self.mode == CudaStep::Graph {
+            if self.graph.is_none() {
+                match self.capture() {
+                    Ok(g) => self.graph = Some(g),
+                    Err(e) => {
+                        eprintln!("CUDA graph capture failed ({e}); launching kernels one by one");
+                        self.mode = CudaStep::Eager;
+                    }
+                }
+            }
+        }
+        match (&self.graph, graphable && self.mode == CudaStep::Graph) {
+            (Some(g), true) => g.launch().w()?,
+            _ => self.issue(m, all_logits, keep_hidden.then_some(&mut hidden))?,
+        }
+        let rows = if all_logits { m } else { 1 };
+        let mut logits = vec![0f32; rows * self.d.vocab];
+        self.stream
+            .memcpy_dtoh(&self.bufs.logits.slice(0..rows * self.d.vocab), &mut logits)
+            .w()?;
+        self.stream.synchronize().w()?;
+        Ok((logits, hidden))
+    }
+
+    /// Buffers for `m` rows (and every row's logits if asked) and a cache for `len` positions;
+    /// anything reallocated invalidates the captured graph.
+    fn ensure(&mut self, m: usize, len: usize, all_logits: bool) -> Result<()> {
+        let logit_rows = if all_logits { m } else { 1 };
+        if m > self.bufs.rows || self.bufs.logits.len() < logit_rows * self.d.vocab {
+            self.bufs = Buffers::new(&self.dev, &self.d, m.max(self.bufs.rows), self.max_rtot)?;
+            if logit_rows > 1 {
+                self.bufs.logits = self.dev.alloc_zeros::<f32>(logit_rows * self.d.vocab)?;
+            }
+            self.graph = None;
+        }
+        if len > self.cache.cap {
+            let cap = len.max(2 * self.cache.cap).next_multiple_of(256);
+            let mut next = Cache::new(&self.dev, &self.d, self.layers.len(), cap)?;
+            for (new, old) in next
+                .k
+                .iter_mut()
+                .zip(&self.cache.k)
+                .chain(next.v.iter_mut().zip(&self.cache.v))
+            {
+                self.stream
+                    .memcpy_dtod(old, &mut new.slice_mut(0..old.len()))
+                    .w()?;
+            }
+            self.cache = next;
+            self.graph = None;
+        }
+        Ok(())
+    }
+
+    fn capture(&mut self) -> Result<CudaGraph> {
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .w()?;
+        let issued = self.issue(1, false, None);
+        let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        issued?;
+        graph
+            .w()?
+            .ok_or_else(|| EngineError::Invalid("the captured CUDA graph is empty".into()))
+    }
+
+    fn launch(
+        &self,
+        f: &'static str,
+        grid: (usize, usize),
+        block: usize,
+        args: &[Arg],
+    ) -> Result<()> {
+        self.launch_as(f, f, grid, block, 0, args)
+    }
+
+    /// `launch`, profiled under `tag`.
+    fn launch_as(
+        &self,
+        tag: &'static str,
+        f: &str,
+        grid: (usize, usize),
+        block: usize,
+        smem: usize,
+        args: &[Arg],
+    ) -> Result<()> {
+        let func = self
+            .funcs
+            .get(f)
+            .ok_or_else(|| EngineError::Invalid(format!("kernel {f} not loaded")))?;
+        let mut b = self.stream.launch_builder(func);
+        for a in args {
+            match a {
+                Arg::P(v) => b.arg(v),
+                Arg::I(v) => b.arg(v),
+                Arg::F(v) => b.arg(v),
+                Arg::E(v) => b.arg(v),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (grid.0 as u32, grid.1 as u32, 1),
+            block_dim: (block as u32, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let start = match &self.profile {
+            Some(_) => Some(
+                self.stream
+                    .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .w()?,
+            ),
+            None => None,
+        };
+        // SAFETY: each call site passes the arguments of the kernel's C signature, in order,
+        // and sizes its buffers for the grid it launches (`ensure`).
+        unsafe { b.launch(cfg) }.w()?;
+        if let (Some(rec), Some(start)) = (&self.profile, start) {
+            let end = self
+                .stream
+                .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .w()?;
+            rec.borrow_mut().push((tag, start, end));
+        }
+        Ok(())
+    }
+
+    /// `y (rows, p.n) = x (rows, p.k) @ W^T`, plus LoRA and `residual` (which may be `y`).
+    /// With `norm`, x is RMS-normalized with that weight first: inside the matmul (and the
+    /// LoRA A product) where the decode kernel runs and `fuse` allows, else by its own kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn proj(
+        &self,
+        tag: &'static str,
+        p: &Proj,
+        x: u64,
+        rows: usize,
+        y: u64,
+        residual: u64,
+        norm: Option<&CudaSlice<f32>>,
+        fuse: bool,
+    ) -> Result<()> {
+        let st = &self.stream;
+        let decode = rows == 1 && p.bits == 4;
+        // gate|up: the decode kernel writes SwiGLU's output to `act` directly
+        let y = if p.interleaved && decode {
+            ptr(&self.bufs.act, st)
+        } else {
+            y
+        };
+        let (x, nw) = match norm {
+            Some(w) if decode && fuse => (x, ptr(w, st)),
+            Some(w) => {
+                let xn = ptr(&self.bufs.xn, st);
+                self.rms_norm(x, w, xn, rows)?;
+                (xn, 0)
+            }
+            None => (x, 0),
+        };
+        let mut epi = Epi {
+            residual,
+            swiglu: (p.interleaved && decode) as i32,
+            ..Epi::default()
+        };
+        if let Some(l) = &p.lora {
+            let t = ptr(&self.bufs.t, st);
+            self.launch(
+                "lora_a_f32",
+                (l.rtot, rows),
+                256,
+                &[
+                    Arg::P(x),
+                    Arg::P(ptr(&l.at, st)),
+                    Arg::P(t),
+                    Arg::I(p.k as i32),
+                    Arg::I(l.rtot as i32),
+                    Arg::P(nw),
+                    Arg::F(self.d.eps),
+                ],
+            )?;
+            epi.lora_t = t;
+            epi.lora_bt = ptr(&l.bt, st);
+            epi.r = l.r as i32;
+            epi.rtot = l.rtot as i32;
+            epi.seg1 = l.seg1 as i32;
+            epi.seg2 = l.seg2 as i32;
+            epi.pairs = p.interleaved as i32;
+        }
+        let (w, s, b) = (
+            ptr(&p.w.packed, st),
+            ptr(&p.w.scales, st),
+            ptr(&p.w.biases, st),
+        );
+        let (n, k) = (p.n as i32, p.k as i32);
+        let (bits, gs, sd) = (p.bits as i32, p.group_size as i32, p.sdtype);
+        if decode {
+            let a = [
+                Arg::P(x),
+                Arg::P(w),
+                Arg::P(s),
+                Arg::P(b),
+                Arg::P(y),
+                Arg::I(n),
+                Arg::I(k),
+                Arg::I(gs),
+                Arg::I(sd),
+                Arg::P(nw),
+                Arg::F(self.d.eps),
+                Arg::E(epi),
+            ];
+            // Small matrices take two rows a warp (more warps in flight), large ones four (x
+            // reused more) and eight warps a block (x staged half as often).
+            let (f, rows_w, warps) = match p.n {
+                n if n >= 16384 => ("qmv4_m1_r4", 4, 8),
+                n if n >= 6144 => ("qmv4_m1_r4", 4, 4),
+                _ => ("qmv4_m1_r2", 2, 4),
+            };
+            let grid = (p.n.div_ceil(rows_w * warps), 1);
+            return self.launch_as(tag, f, grid, 32 * warps, qmv4_smem(p.k), &a);
+        }
+        let a = [
+            Arg::P(x),
+            Arg::P(w),
+            Arg::P(s),
+            Arg::P(b),
+            Arg::P(y),
+            Arg::I(rows as i32),
+            Arg::I(n),
+            Arg::I(k),
+            Arg::I(bits),
+            Arg::I(gs),
+            Arg::I(sd),
+            Arg::E(epi),
+        ];
+        if rows <= 8 || self.exact {
+            self.launch_as(tag, "qmv_f32", (p.n.div_ceil(8), 1), 256, 0, &a)
+        } else {
+            self.launch_as(
+                tag,
+                "qmm_tf32",
+                (p.n.div_ceil(64), rows.div_ceil(64)),
+                128,
+                0,
+                &a,
+            )
+        }
+    }
+
+    fn rms_norm(&self, src: u64, w: &CudaSlice<f32>, dst: u64, rows: usize) -> Result<()> {
+        let a = [
+            Arg::P(src),
+            Arg::P(ptr(w, &self.stream)),
+            Arg::P(dst),
+            Arg::I(self.d.h as i32),
+            Arg::F(self.d.eps),
+        ];
+        self.launch("rms_norm_f32", (rows, 1), 256, &a)
+    }
+
+    /// Every kernel of a forward over `m` rows, in order, on the stream.
+    fn issue(
+        &self,
+        m: usize,
+        all_logits: bool,
+        mut hidden: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<()> {
+        let (d, st) = (self.d, &self.stream);
+        let b = &self.bufs;
+        let (x, xn, qkv, ao, gu, act) = (
+            ptr(&b.x, st),
+            ptr(&b.xn, st),
+            ptr(&b.qkv, st),
+            ptr(&b.ao, st),
+            ptr(&b.gu, st),
+            ptr(&b.act, st),
+        );
+        let pos = ptr(&self.pos, st);
+        let e = &self.embed;
+        self.launch(
+            "qgather_f32",
+            ((d.h / 16).div_ceil(128), m),
+            128,
+            &[
+                Arg::P(ptr(&b.ids, st)),
+                Arg::P(ptr(&e.w.packed, st)),
+                Arg::P(ptr(&e.w.scales, st)),
+                Arg::P(ptr(&e.w.biases, st)),
+                Arg::P(x),
+                Arg::I(d.h as i32),
+                Arg::I(e.bits as i32),
+                Arg::I(e.group_size as i32),
+                Arg::I(e.sdtype),
+            ],
+        )?;
+        let keep =
+            |h: &mut Option<&mut Vec<Vec<f32>>>, src: &CudaSlice<f32>, n: usize| -> Result<()> {
+                if let Some(h) = h {
+                    let mut v = vec![0f32; n];
+                    st.memcpy_dtoh(&src.slice(0..n), &mut v).w()?;
+                    st.synchronize().w()?;
+                    h.push(v);
+                }
+                Ok(())
+            };
+        keep(&mut hidden, &b.x, m * d.h)?;
+        // the final norm's output is a hidden state, so it is materialized when kept
+        let fuse = hidden.is_none();
+        let half = d.hd / 2;
+        let attention = match d.hd {
+            32 => "attention_f32_hd32",
+            64 => "attention_f32_hd64",
+            128 => "attention_f32_hd128",
+            _ => "attention_f32_hd256",
+        };
+        for (i, l) in self.layers.iter().enumerate() {
+            self.proj("qkv_proj", &l.qkv, x, m, qkv, 0, Some(&l.in_norm), fuse)?;
+            self.launch(
+                "qk_norm_rope_cache",
+                (d.nh + d.nkv, m),
+                half.next_multiple_of(32),
+                &[
+                    Arg::P(qkv),
+                    Arg::P(ptr(&l.q_norm, st)),
+                    Arg::P(ptr(&l.k_norm, st)),
+                    Arg::P(ptr(&self.cache.k[i], st)),
+                    Arg::P(ptr(&self.cache.v[i], st)),
+                    Arg::P(ptr(&self.cache.cos, st)),
+                    Arg::P(ptr(&self.cache.sin, st)),
+                    Arg::P(pos),
+                    Arg::I(d.nh as i32),
+                    Arg::I(d.nkv as i32),
+                    Arg::I(d.hd as i32),
+                    Arg::F(d.eps),
+                ],
+            )?;
+            self.launch_as(
+                "attention",
+                attention,
+                (d.nh, m),
+                256,
+                0,
+                &[
+                    Arg::P(qkv),
+                    Arg::P(ptr(&self.cache.k[i], st)),
+                    Arg::P(ptr(&self.cache.v[i], st)),
+                    Arg::P(ao),
+                    Arg::P(pos),
+                    Arg::I(d.nh as i32),
+                    Arg::I(d.nkv as i32),
+                    Arg::F((d.hd as f32).powf(-0.5)),
+                ],
+            )?;
+            self.proj("o_proj", &l.o, ao, m, x, x, None, fuse)?;
+            self.proj("gate_up_proj", &l.gu, x, m, gu, 0, Some(&l.post_norm), fuse)?;
+            if !(m == 1 && l.gu.bits == 4) {
+                let total = m * d.inter;
+                self.launch(
+                    "swiglu_f32",
+                    (total.div_ceil(256), 1),
+                    256,
+                    &[
+                        Arg::P(gu),
+                        Arg::P(act),
+                        Arg::I(d.inter as i32),
+                        Arg::I(total as i32),
+                    ],
+                )?;
+            }
+            self.proj("down_proj", &l.down, act, m, x, x, None, fuse)?;
+            keep(&mut hidden, &b.x, m * d.h)?;
+        }
+        let rows = if all_logits { m } else { 1 };
+        let last = x + ((m - rows) * d.h * 4) as u64;
+        if !fuse {
+            self.rms_norm(last, &self.norm, xn, rows)?;
+            keep(&mut hidden, &b.xn, rows * d.h)?;
+            return self.proj(
+                "lm_head",
+                &self.head,
+                xn,
+                rows,
+                ptr(&b.logits, st),
+                0,
+                None,
+                fuse,
+            );
+        }
+        self.proj(
+            "lm_head",
+            &self.head,
+            last,
+            rows,
+            ptr(&b.logits, st),
+            0,
+            Some(&self.norm),
+            fuse,
+        )
+    }
+}
+
+impl Proj {
+    fn single(dev: &CudaDevice, q: &QMatrix) -> Result<Self> {
+        Ok(Proj {
+            w: resident(q, dev)?,
+            n: q.rows,
+            k: q.cols,
+            bits: q.params.bits,
+            group_size: q.params.group_size,
+            sdtype: q.scales.kernel_code(),
+            lora: None,
+            interleaved: false,
+        })
+    }
+
+    /// Projections sharing their input, their weights concatenated by output rows, or with
+    /// `interleave` (parts of equal size) alternating row by row.
+    fn new(dev: &CudaDevice, parts: &[&Linear], interleave: bool) -> Result<Self> {
+        let qs: Vec<&QMatrix> = parts
+            .iter()
+            .map(|l| quant(&l.weight).map(|a| a.as_ref()))
+            .collect::<Option<_>>()
+            .ok_or_else(|| EngineError::Invalid("fused step: dense projection".into()))?;
+        let interleave = interleave && qs.len() > 1 && qs.iter().all(|q| q.rows == qs[0].rows);
+        let lora = ProjLora::new(dev, parts, &qs, interleave)?;
+        if qs.len() == 1 {
+            return Ok(Proj {
+                lora,
+                ..Proj::single(dev, qs[0])?
+            });
+        }
+        // Each matrix's rows are `bytes.len() / rows` bytes of codes, scales or biases.
+        let cat = |f: &dyn Fn(&QMatrix) -> &[u8]| -> Result<CudaSlice<u8>> {
+            let mut v = Vec::with_capacity(qs.iter().map(|q| f(q).len()).sum());
+            if interleave {
+                let rb = f(qs[0]).len() / qs[0].rows;
+                for i in 0..qs[0].rows {
+                    for q in &qs {
+                        v.extend_from_slice(&f(q)[i * rb..(i + 1) * rb]);
+                    }
+                }
+            } else {
+                for q in &qs {
+                    v.extend_from_slice(f(q));
+                }
+            }
+            Ok(dev.clone_htod(&v)?)
+        };
+        let w = GpuQMatrix {
+            packed: cat(&|q| &q.packed[..])?,
+            scales: cat(&|q| &q.scales.bytes[..])?,
+            biases: cat(&|q| &q.biases.bytes[..])?,
+        };
+        Ok(Proj {
+            w: Arc::new(w),
+            n: qs.iter().map(|q| q.rows).sum(),
+            lora,
+            interleaved: interleave,
+            ..Proj::single(dev, qs[0])?
+        })
+    }
+}
+
+impl ProjLora {
+    fn new(
+        dev: &CudaDevice,
+        parts: &[&Linear],
+        qs: &[&QMatrix],
+        interleave: bool,
+    ) -> Result<Option<Self>> {
+        let branches: Vec<Option<&LoraBranch>> = parts.iter().map(|l| l.lora.as_ref()).collect();
+        if branches.iter().all(Option::is_none) {
+            return Ok(None);
+        }
+        let k = qs[0].cols;
+        let n: usize = qs.iter().map(|q| q.rows).sum();
+        let r = branches
+            .iter()
+            .flatten()
+            .map(|b| b.a.dim(1))
+            .collect::<candle_core::Result<Vec<_>>>()?
+            .into_iter()
+            .max()
+            .unwrap_or(1);
+        let rtot = r * parts.len();
+        let mut at = vec![0f32; rtot * k];
+        let mut bt = vec![0f32; n * r];
+        let mut off = 0;
+        for (i, (b, q)) in branches.iter().zip(qs).enumerate() {
+            if let Some(b) = b {
+                let a = b.a.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?; // (k, ri)
+                let bm = b.b.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?; // (ri, rows)
+                for (kk, row) in a.iter().enumerate() {
+                    for (j, v) in row.iter().enumerate() {
+                        at[(i * r + j) * k + kk] = *v;
+                    }
+                }
+                for (j, row) in bm.iter().enumerate() {
+                    for (nn, v) in row.iter().enumerate() {
+                        let out = if interleave {
+                            nn * parts.len() + i
+                        } else {
+                            off + nn
+                        };
+                        bt[out * r + j] = (*v as f64 * b.scale) as f32;
+                    }
+                }
+            }
+            off += q.rows;
+        }
+        let seg = |i: usize| qs.iter().take(i).map(|q| q.rows).sum::<usize>().min(n);
+        Ok(Some(ProjLora {
+            at: dev.clone_htod(&at)?,
+            bt: dev.clone_htod(&bt)?,
+            r,
+            rtot,
+            seg1: if parts.len() > 1 { seg(1) } else { n },
+            seg2: if parts.len() > 2 { seg(2) } else { n },
+        }))
+    }
+}
+
+impl Buffers {
+    fn new(dev: &CudaDevice, d: &Dims, rows: usize, rtot: usize) -> Result<Self> {
+        let z = |n: usize| dev.alloc_zeros::<f32>(n);
+        Ok(Buffers {
+            rows,
+            x: z(rows * d.h)?,
+            xn: z(rows * d.h)?,
+            qkv: z(rows * d.qkv())?,
+            ao: z(rows * d.nh * d.hd)?,
+            gu: z(rows * 2 * d.inter)?,
+            act: z(rows * d.inter)?,
+            t: z(rows * rtot)?,
+            logits: z(d.vocab)?,
+            ids: dev.alloc_zeros::<u32>(rows)?,
+        })
+    }
+}
+
+impl Cache {
+    fn new(dev: &CudaDevice, d: &Dims, layers: usize, cap: usize) -> Result<Self> {
+        let per = cap * d.nkv * d.hd;
+        let (cos, sin) = rope_tables(d, cap);
+        Ok(Cache {
+            cap,
+            k: (0..layers)
+                .map(|_| dev.alloc_zeros::<f32>(per))
+                .collect::<candle_core::Result<_>>()?,
+            v: (0..layers)
+                .map(|_| dev.alloc_zeros::<f32>(per))
+                .collect::<candle_core::Result<_>>()?,
+            cos: dev.clone_htod(&cos)?,
+            sin: dev.clone_htod(&sin)?,
+        })
+    }
+}
