@@ -20,7 +20,7 @@ use super::error::{EngineError, Result};
 use super::lora::LoraBranch;
 use super::profile::KernelTime;
 use super::quant::{CpuKernel, QMatrix};
-use super::quant_cuda::{resident, Epi, GpuQMatrix, MODULE as QMODULE, PTX as QPTX};
+use super::quant_cuda::{qmv4_smem, resident, Epi, GpuQMatrix, MODULE as QMODULE, PTX as QPTX};
 use super::qwen3::{CudaStep, Linear, Qwen3, Weight};
 
 const STEP_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/step.ptx"));
@@ -144,11 +144,6 @@ pub struct FusedQwen3 {
     graph: Option<CudaGraph>,
     /// While profiling: an event pair around every launch (which then runs eagerly).
     profile: Option<RefCell<Vec<(&'static str, CudaEvent, CudaEvent)>>>,
-}
-
-/// Dynamic shared memory of `qmv4_m1` for rows of `k` codes (x staged, padded to 1024).
-fn qmv4_smem(k: usize) -> usize {
-    k.next_multiple_of(1024) * 4
 }
 
 fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {

@@ -6,7 +6,7 @@
 use std::sync::{Arc, OnceLock};
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{sys, CudaSlice, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, CudaStorage, Layout, Shape};
 
@@ -102,6 +102,46 @@ pub fn qmatmul_fwd(
     let g = resident(w, dev)?;
     // SAFETY: every element is written by the kernel below.
     let y = unsafe { dev.alloc::<f32>(m * n)? };
+    let p = QParams::new(w, m);
+    if m == 1 && w.params.bits == 4 {
+        // the decode kernel of the fused step (two rows a warp where N is odd, so the kernel
+        // tests reach both instances)
+        let (name, rows) = if n % 4 == 0 { ("qmv4_m1_r4", 4) } else { ("qmv4_m1_r2", 2) };
+        let func = dev
+            .get_or_load_custom_func(name, MODULE, PTX)?
+            .into_cuda_function();
+        let smem = qmv4_smem(k);
+        func.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .w()?;
+        let stream = dev.cuda_stream();
+        let mut b = stream.launch_builder(&func);
+        b.arg(&x);
+        b.arg(&g.packed);
+        b.arg(&g.scales);
+        b.arg(&g.biases);
+        b.arg(&y);
+        let (no_norm, eps, epi) = (0u64, 0f32, Epi::default());
+        for d in [&p.n, &p.k, &p.group_size, &p.sdtype] {
+            b.arg(d);
+        }
+        b.arg(&no_norm);
+        b.arg(&eps);
+        b.arg(&epi);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(rows * 4) as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        // SAFETY: the arguments match qmv4_m1_r*'s signature; x holds k floats, y n.
+        unsafe { b.launch(cfg) }.w()?;
+        return Ok((
+            CudaStorage::wrap_cuda_slice(y, dev.clone()),
+            out_shape(l, n),
+        ));
+    }
     let (name, cfg) = if m > QMV_MAX_ROWS && kernel != CpuKernel::Exact {
         (
             "qmm_tf32",
@@ -129,7 +169,6 @@ pub fn qmatmul_fwd(
     b.arg(&g.biases);
     b.arg(&y);
     // The kernels take the same parameters, in the same order, as the MSL ones.
-    let p = QParams::new(w, m);
     let dims = [p.m, p.n, p.k, p.bits, p.group_size, p.sdtype];
     for d in &dims {
         b.arg(d);
@@ -138,14 +177,24 @@ pub fn qmatmul_fwd(
     b.arg(&epi);
     // SAFETY: the kernel's arguments match qmatmul.cu's signature; sizes were checked above.
     unsafe { b.launch(cfg) }.w()?;
+    Ok((
+        CudaStorage::wrap_cuda_slice(y, dev.clone()),
+        out_shape(l, n),
+    ))
+}
+
+/// x's shape with the last dimension replaced by `n`.
+fn out_shape(l: &Layout, n: usize) -> Shape {
     let mut out = l.shape().dims().to_vec();
     if let Some(last) = out.last_mut() {
         *last = n;
     }
-    Ok((
-        CudaStorage::wrap_cuda_slice(y, dev.clone()),
-        Shape::from(out),
-    ))
+    Shape::from(out)
+}
+
+/// Dynamic shared memory of `qmv4_m1_r*` for rows of `k` codes (x staged, padded to 1024).
+pub(crate) fn qmv4_smem(k: usize) -> usize {
+    k.next_multiple_of(1024) * 4
 }
 
 /// Rows `ids (L,)` of the table, dequantized: `(L, cols)` f32.
@@ -212,7 +261,8 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         for bits in [2, 3, 4, 5, 6, 8] {
             for gs in [32, 64, 128] {
-                for (rows, cols) in [(40, 256), (100, 384), (8, 640)] {
+                // odd rows reach the two-rows-a-warp decode kernel; 2304 wide takes 3 steps
+                for (rows, cols) in [(40, 256), (100, 384), (8, 640), (37, 2304)] {
                     let sd = [Dtype::BF16, Dtype::F16, Dtype::F32][(bits + gs) % 3];
                     let w = Arc::new(random_qmatrix(
                         rows,
