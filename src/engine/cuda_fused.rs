@@ -1,8 +1,11 @@
 //! Qwen3's forward on CUDA as a fixed sequence of our own kernels (`cuda/step.cu`,
-//! `cuda/qmatmul.cu`) on buffers allocated once: nine launches per layer (thirteen with LoRA)
-//! instead of ~30 candle ops, q|k|v and gate|up each one matmul over concatenated weights, the
-//! residual adds and the LoRA B products folded into the matmuls' epilogues, and a decode step
-//! captured once as a CUDA graph and replayed for every token. The numerics are those of
+//! `cuda/qmatmul.cu`) on buffers allocated once, instead of ~30 candle ops a layer. A decode step
+//! is five launches a layer (nine with LoRA): q|k|v as one 4-bit matmul over concatenated
+//! weights with the input RMSNorm inside; attention with the q/k norms, RoPE and cache write
+//! inside; o with the residual add; gate|up (rows interleaved) with the norm inside and SwiGLU
+//! as its epilogue; down with the residual add. LoRA B products ride in the matmuls' epilogues.
+//! The step is captured once as a CUDA graph and replayed for every token. Prompts take the
+//! TF32 matmul and separate norm, RoPE and SwiGLU kernels. The numerics are those of
 //! `qwen3.rs` (mlx_lm's Qwen3), which stays the reference and the path of the other devices.
 
 use std::cell::RefCell;
@@ -32,13 +35,17 @@ const QMATMUL_KERNELS: [&str; 5] = [
     "qmm_tf32",
     "qgather_f32",
 ];
-const STEP_KERNELS: [&str; 8] = [
+const STEP_KERNELS: [&str; 12] = [
     "rms_norm_f32",
     "qk_norm_rope_cache",
     "attention_f32_hd32",
     "attention_f32_hd64",
     "attention_f32_hd128",
     "attention_f32_hd256",
+    "attention_decode_hd32",
+    "attention_decode_hd64",
+    "attention_decode_hd128",
+    "attention_decode_hd256",
     "swiglu_f32",
     "lora_a_f32",
 ];
@@ -694,50 +701,80 @@ impl FusedQwen3 {
         // the final norm's output is a hidden state, so it is materialized when kept
         let fuse = hidden.is_none();
         let half = d.hd / 2;
-        let attention = match d.hd {
-            32 => "attention_f32_hd32",
-            64 => "attention_f32_hd64",
-            128 => "attention_f32_hd128",
-            _ => "attention_f32_hd256",
+        let (attention, attention_decode) = match d.hd {
+            32 => ("attention_f32_hd32", "attention_decode_hd32"),
+            64 => ("attention_f32_hd64", "attention_decode_hd64"),
+            128 => ("attention_f32_hd128", "attention_decode_hd128"),
+            _ => ("attention_f32_hd256", "attention_decode_hd256"),
         };
+        let scale = (d.hd as f32).powf(-0.5);
         for (i, l) in self.layers.iter().enumerate() {
             self.proj("qkv_proj", &l.qkv, x, m, qkv, 0, Some(&l.in_norm), fuse)?;
-            self.launch(
-                "qk_norm_rope_cache",
-                (d.nh + d.nkv, m),
-                half.next_multiple_of(32),
-                &[
-                    Arg::P(qkv),
-                    Arg::P(ptr(&l.q_norm, st)),
-                    Arg::P(ptr(&l.k_norm, st)),
-                    Arg::P(ptr(&self.cache.k[i], st)),
-                    Arg::P(ptr(&self.cache.v[i], st)),
-                    Arg::P(ptr(&self.cache.cos, st)),
-                    Arg::P(ptr(&self.cache.sin, st)),
-                    Arg::P(pos),
-                    Arg::I(d.nh as i32),
-                    Arg::I(d.nkv as i32),
-                    Arg::I(d.hd as i32),
-                    Arg::F(d.eps),
-                ],
-            )?;
-            self.launch_as(
-                "attention",
-                attention,
-                (d.nh, m),
-                256,
-                0,
-                &[
-                    Arg::P(qkv),
-                    Arg::P(ptr(&self.cache.k[i], st)),
-                    Arg::P(ptr(&self.cache.v[i], st)),
-                    Arg::P(ao),
-                    Arg::P(pos),
-                    Arg::I(d.nh as i32),
-                    Arg::I(d.nkv as i32),
-                    Arg::F((d.hd as f32).powf(-0.5)),
-                ],
-            )?;
+            let (kc, vc) = (ptr(&self.cache.k[i], st), ptr(&self.cache.v[i], st));
+            let (qn, kn) = (ptr(&l.q_norm, st), ptr(&l.k_norm, st));
+            let (cos, sin) = (ptr(&self.cache.cos, st), ptr(&self.cache.sin, st));
+            if m == 1 {
+                // q/k norms, RoPE and the cache write happen inside the decode attention
+                self.launch_as(
+                    "attention (+ q/k norm, RoPE, cache write)",
+                    attention_decode,
+                    (d.nh, 1),
+                    256,
+                    0,
+                    &[
+                        Arg::P(qkv),
+                        Arg::P(qn),
+                        Arg::P(kn),
+                        Arg::P(kc),
+                        Arg::P(vc),
+                        Arg::P(cos),
+                        Arg::P(sin),
+                        Arg::P(ao),
+                        Arg::P(pos),
+                        Arg::I(d.nh as i32),
+                        Arg::I(d.nkv as i32),
+                        Arg::F(scale),
+                        Arg::F(d.eps),
+                    ],
+                )?;
+            } else {
+                self.launch(
+                    "qk_norm_rope_cache",
+                    (d.nh + d.nkv, m),
+                    half.next_multiple_of(32),
+                    &[
+                        Arg::P(qkv),
+                        Arg::P(qn),
+                        Arg::P(kn),
+                        Arg::P(kc),
+                        Arg::P(vc),
+                        Arg::P(cos),
+                        Arg::P(sin),
+                        Arg::P(pos),
+                        Arg::I(d.nh as i32),
+                        Arg::I(d.nkv as i32),
+                        Arg::I(d.hd as i32),
+                        Arg::F(d.eps),
+                    ],
+                )?;
+                self.launch_as(
+                    "attention",
+                    attention,
+                    (d.nh, m),
+                    256,
+                    0,
+                    &[
+                        Arg::P(qkv),
+                        Arg::P(kc),
+                        Arg::P(vc),
+                        Arg::P(ao),
+                        Arg::P(pos),
+                        Arg::I(d.nh as i32),
+                        Arg::I(d.nkv as i32),
+                        Arg::F(scale),
+                    ],
+                )?;
+            }
             self.proj("o_proj", &l.o, ao, m, x, x, None, fuse)?;
             self.proj("gate_up_proj", &l.gu, x, m, gu, 0, Some(&l.post_norm), fuse)?;
             if !(m == 1 && l.gu.bits == 4) {

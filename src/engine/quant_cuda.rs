@@ -106,7 +106,11 @@ pub fn qmatmul_fwd(
     if m == 1 && w.params.bits == 4 {
         // the decode kernel of the fused step (two rows a warp where N is odd, so the kernel
         // tests reach both instances)
-        let (name, rows) = if n % 4 == 0 { ("qmv4_m1_r4", 4) } else { ("qmv4_m1_r2", 2) };
+        let (name, rows) = if n % 4 == 0 {
+            ("qmv4_m1_r4", 4)
+        } else {
+            ("qmv4_m1_r2", 2)
+        };
         let func = dev
             .get_or_load_custom_func(name, MODULE, PTX)?
             .into_cuda_function();

@@ -89,21 +89,67 @@ extern "C" __global__ void qk_norm_rope_cache(float* __restrict__ qkv, const flo
 // row m (absolute position pos + m) attends to cache positions 0..=pos+m. Each warp takes chunks
 // of 32 keys: a lane scores one key, the chunk updates the warp's running max and sum, then the
 // lanes (one per 32nd of head_dim) accumulate the values; the warps are merged at the end.
-template <int HD>
+//
+// DECODE (one row): the block also does qk_norm_rope_cache's work for its head, saving a launch:
+// it norms and rotates its q and the new k of its KV head (threads 0..127 and 128..255), takes
+// the new k and v from shared memory for the last position, and the first query head of each KV
+// group writes them to the cache for later steps (nobody reads them from there in this one).
+template <int HD, bool DECODE>
 __device__ __forceinline__ void attention(const float* __restrict__ qkv, const float* __restrict__ kc,
                           const float* __restrict__ vc, float* __restrict__ out,
-                          const int* __restrict__ pos, int nh, int nkv, float scale) {
+                          const int* __restrict__ pos, int nh, int nkv, float scale,
+                          const float* __restrict__ qnw, const float* __restrict__ knw,
+                          float* __restrict__ kw, float* __restrict__ vw,
+                          const float* __restrict__ cos_t, const float* __restrict__ sin_t, float eps) {
     constexpr int DPL = HD / 32;
     __shared__ __align__(16) float qs[HD];
+    __shared__ __align__(16) float kn[DECODE ? HD : 1];
+    __shared__ float vn[DECODE ? HD : 1];
+    __shared__ float red[ATT_WARPS];
     __shared__ float wm[ATT_WARPS], wl[ATT_WARPS];
     __shared__ float wacc[ATT_WARPS][HD];
     const int h = blockIdx.x, m = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int keys = pos[0] + m + 1;
     const int kvh = h / (nh / nkv);
-    const float* q = qkv + (size_t)m * (nh + 2 * nkv) * HD + (size_t)h * HD;
-    for (int i = threadIdx.x; i < HD; i += blockDim.x) qs[i] = q[i] * scale;
-    __syncthreads();
+    const float* row = qkv + (size_t)m * (nh + 2 * nkv) * HD;
+    if (DECODE) {
+        constexpr int half = HD / 2;
+        const int p = keys - 1, t = threadIdx.x & 127;
+        const bool is_k = threadIdx.x >= 128, on = t < half;
+        const float* src = row + (size_t)(is_k ? nh + kvh : h) * HD;
+        float a = on ? src[t] : 0.f, b = on ? src[t + half] : 0.f;
+        const float sq = warp_sum(a * a + b * b);
+        if (lane == 0) red[warp] = sq;
+        __syncthreads();
+        const int w0 = is_k ? 4 : 0;
+        const float r = rsqrtf((red[w0] + red[w0 + 1] + red[w0 + 2] + red[w0 + 3]) / (float)HD + eps);
+        if (on) {
+            const float* nw = is_k ? knw : qnw;
+            a = a * r * nw[t];
+            b = b * r * nw[t + half];
+            const float c = cos_t[(size_t)p * half + t], s = sin_t[(size_t)p * half + t];
+            const float o1 = a * c - b * s, o2 = a * s + b * c;
+            if (is_k) {
+                kn[t] = o1;
+                kn[t + half] = o2;
+            } else {
+                qs[t] = o1 * scale;
+                qs[t + half] = o2 * scale;
+            }
+        }
+        for (int i = threadIdx.x; i < HD; i += blockDim.x) vn[i] = row[(size_t)(nh + nkv + kvh) * HD + i];
+        __syncthreads();
+        if (h % (nh / nkv) == 0)
+            for (int i = threadIdx.x; i < HD; i += blockDim.x) {
+                kw[((size_t)p * nkv + kvh) * HD + i] = kn[i];
+                vw[((size_t)p * nkv + kvh) * HD + i] = vn[i];
+            }
+    } else {
+        const float* q = row + (size_t)h * HD;
+        for (int i = threadIdx.x; i < HD; i += blockDim.x) qs[i] = q[i] * scale;
+        __syncthreads();
+    }
 
     float acc[DPL];
 #pragma unroll
@@ -115,7 +161,8 @@ __device__ __forceinline__ void attention(const float* __restrict__ qkv, const f
         if (j < keys) {
             // a lane reads its key row in batches of 16 float4, all in flight before any FMA:
             // the chunk costs a few memory round trips rather than one per load
-            const float4* kr = (const float4*)(kc + ((size_t)j * nkv + kvh) * HD);
+            const float4* kr = DECODE && j == keys - 1 ? (const float4*)kn
+                                                       : (const float4*)(kc + ((size_t)j * nkv + kvh) * HD);
             const float4* q4 = (const float4*)qs;
             float d0 = 0.f, d1 = 0.f;
 #pragma unroll
@@ -150,7 +197,9 @@ __device__ __forceinline__ void attention(const float* __restrict__ qkv, const f
 #pragma unroll
                 for (int jj = 0; jj < VB; jj++)
 #pragma unroll
-                    for (int d = 0; d < DPL; d++) vv[jj][d] = vbase[(b0 + jj) * vstride + 32 * d];
+                    for (int d = 0; d < DPL; d++)
+                        vv[jj][d] = DECODE && j0 + b0 + jj == keys - 1 ? vn[lane + 32 * d]
+                                                                      : vbase[(b0 + jj) * vstride + 32 * d];
 #pragma unroll
                 for (int jj = 0; jj < VB; jj++) {
                     const float pj = __shfl_sync(0xffffffffu, e, b0 + jj);
@@ -163,7 +212,8 @@ __device__ __forceinline__ void attention(const float* __restrict__ qkv, const f
             for (int jj = 0; jj < cnt; jj++) {
                 const float pj = __shfl_sync(0xffffffffu, e, jj);
 #pragma unroll
-                for (int d = 0; d < DPL; d++) acc[d] = fmaf(pj, vbase[jj * vstride + 32 * d], acc[d]);
+                for (int d = 0; d < DPL; d++)
+                    acc[d] = fmaf(pj, DECODE && j0 + jj == keys - 1 ? vn[lane + 32 * d] : vbase[jj * vstride + 32 * d], acc[d]);
             }
         }
         mx = nm;
@@ -191,10 +241,18 @@ __device__ __forceinline__ void attention(const float* __restrict__ qkv, const f
 }
 
 #define ATTENTION(HD)                                                                              \
-    extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, 1) attention_f32_hd##HD(const float* qkv, const float* kc,            \
-                                                    const float* vc, float* out, const int* pos,   \
-                                                    int nh, int nkv, float scale) {                \
-        attention<HD>(qkv, kc, vc, out, pos, nh, nkv, scale);                                      \
+    extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, 1) attention_f32_hd##HD(         \
+        const float* qkv, const float* kc, const float* vc, float* out, const int* pos, int nh,   \
+        int nkv, float scale) {                                                                    \
+        attention<HD, false>(qkv, kc, vc, out, pos, nh, nkv, scale, nullptr, nullptr, nullptr,    \
+                             nullptr, nullptr, nullptr, 0.f);                                      \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, 1) attention_decode_hd##HD(      \
+        const float* qkv, const float* qnw, const float* knw, float* kc, float* vc,                \
+        const float* cos_t, const float* sin_t, float* out, const int* pos, int nh, int nkv,       \
+        float scale, float eps) {                                                                  \
+        attention<HD, true>(qkv, kc, vc, out, pos, nh, nkv, scale, qnw, knw, kc, vc, cos_t, sin_t, \
+                            eps);                                                                  \
     }
 ATTENTION(32)
 ATTENTION(64)
