@@ -26,7 +26,9 @@ pub struct Report {
     pub peak_rss_bytes: u64,
     pub weight_bytes_per_token: usize,
     pub decode_bandwidth_gb_s: f64,
-    /// Share of decode time per part (same order as `engine::profile::PARTS`), rest last.
+    /// Share of prefill time per part (same order as `engine::profile::PARTS`), rest last.
+    pub prefill_time_split: Vec<(String, f64)>,
+    /// The same for decode.
     pub decode_time_split: Vec<(String, f64)>,
     /// With `--kernel-times`: GPU time per kernel class over one more decode pass.
     pub kernel_times: Vec<KernelRow>,
@@ -122,40 +124,36 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         .map(|i| ((i.wrapping_mul(2_654_435_761) ^ args.seed) % vocab) as u32)
         .collect();
 
-    // Returns prefill seconds, decode seconds and the profile counters of the decode phase.
-    let step = |m: &mut Qwen3, gen: usize| -> anyhow::Result<(f64, f64, [f64; 4])> {
+    // Prefill and decode seconds, each with the profile counters of its phase.
+    type Phase = (f64, [f64; 4]);
+    let step = |m: &mut Qwen3, gen: usize| -> anyhow::Result<(Phase, Phase)> {
         m.reset();
+        profile::reset();
         let t = Instant::now();
         let mut logits = m.next_logits(&prompt)?;
-        let prefill = t.elapsed().as_secs_f64();
+        let prefill = (t.elapsed().as_secs_f64(), profile::snapshot());
         profile::reset();
         let t = Instant::now();
         for _ in 0..gen {
             let id = Qwen3::argmax(&logits);
             logits = m.next_logits(&[id])?;
         }
-        Ok((prefill, t.elapsed().as_secs_f64(), profile::snapshot()))
+        Ok((prefill, (t.elapsed().as_secs_f64(), profile::snapshot())))
     };
     step(&mut model, args.gen_tokens.min(8))?; // warm-up: page in weights, size buffers
     let (mut pre, mut dec) = (Vec::new(), Vec::new());
-    let (mut decode_total, mut parts) = (0.0, [0.0; 4]);
+    let (mut pre_total, mut decode_total) = ((0.0, [0.0; 4]), (0.0, [0.0; 4]));
+    let add = |total: &mut Phase, (s, parts): Phase| {
+        total.0 += s;
+        total.1.iter_mut().zip(parts).for_each(|(a, b)| *a += b);
+    };
     for _ in 0..args.repeats.max(1) {
-        let (p, d, prof) = step(&mut model, args.gen_tokens)?;
-        pre.push(args.prompt_tokens as f64 / p);
-        dec.push(args.gen_tokens as f64 / d);
-        decode_total += d;
-        parts.iter_mut().zip(prof).for_each(|(a, b)| *a += b);
+        let (p, d) = step(&mut model, args.gen_tokens)?;
+        pre.push(args.prompt_tokens as f64 / p.0);
+        dec.push(args.gen_tokens as f64 / d.0);
+        add(&mut pre_total, p);
+        add(&mut decode_total, d);
     }
-    let mut split: Vec<(String, f64)> = profile::PARTS
-        .iter()
-        .zip(parts)
-        .map(|((_, n), s)| (n.to_string(), s / decode_total))
-        .collect();
-    let rest = 1.0 - split.iter().map(|(_, f)| f).sum::<f64>();
-    split.push((
-        "everything else (embedding, norms, residuals, candle overhead)".into(),
-        rest,
-    ));
     let mut kernel_times = Vec::new();
     if args.kernel_times {
         if !model.uses_fused_step() {
@@ -181,7 +179,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         peak_rss_bytes: peak_rss_bytes(),
         weight_bytes_per_token: bytes,
         decode_bandwidth_gb_s: bytes as f64 * decode_tok_s / 1e9,
-        decode_time_split: split,
+        prefill_time_split: time_split(pre_total),
+        decode_time_split: time_split(decode_total),
         kernel_times,
     };
     if args.json {
@@ -190,6 +189,21 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         print_table(&report);
     }
     Ok(())
+}
+
+/// Shares of a phase's wall time per profiled part, the rest last.
+fn time_split((total, parts): (f64, [f64; 4])) -> Vec<(String, f64)> {
+    let mut split: Vec<(String, f64)> = profile::PARTS
+        .iter()
+        .zip(parts)
+        .map(|((_, n), s)| (n.to_string(), s / total))
+        .collect();
+    let rest = 1.0 - split.iter().map(|(_, f)| f).sum::<f64>();
+    split.push((
+        "everything else (embedding, norms, residuals, candle overhead)".into(),
+        rest,
+    ));
+    split
 }
 
 /// One profiled decode pass of `gen` tokens after `prompt`: GPU time per kernel class.
@@ -245,9 +259,14 @@ fn print_table(r: &Report) {
         r.weight_bytes_per_token as f64 / 1e6,
         r.decode_bandwidth_gb_s
     );
-    println!("decode time split:");
-    for (name, f) in &r.decode_time_split {
-        println!("  {:5.1}%  {name}", 100.0 * f);
+    for (phase, split) in [
+        ("prefill", &r.prefill_time_split),
+        ("decode", &r.decode_time_split),
+    ] {
+        println!("{phase} time split:");
+        for (name, f) in split {
+            println!("  {:5.1}%  {name}", 100.0 * f);
+        }
     }
     if !r.kernel_times.is_empty() {
         let total: f64 = r.kernel_times.iter().map(|k| k.us_per_token).sum();

@@ -44,6 +44,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 fn main() {
+    bot::engine::device::init_process();
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");

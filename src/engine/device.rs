@@ -15,6 +15,18 @@ pub enum DeviceKind {
     Metal,
 }
 
+/// Process-wide CPU threading, called first thing in `main` (before any thread exists, since
+/// it sets an environment variable): candle's element-wise CPU ops run on the calling thread
+/// unless the user set `CANDLE_NUM_THREADS`. Their parallel pool spins ~25k iterations after
+/// each op, which on a 2-core machine takes a core from our rayon matmuls; measured with
+/// `bot bench --synthetic qwen3-0.6b --threads 2`: prefill 96 -> 110 tok/s, decode unchanged.
+/// The hot loops (matmuls, attention, sampling) use rayon and are unaffected.
+pub fn init_process() {
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        std::env::set_var("CANDLE_NUM_THREADS", "1");
+    }
+}
+
 pub fn select(kind: DeviceKind) -> Result<Device> {
     match kind {
         DeviceKind::Cpu => Ok(Device::Cpu),

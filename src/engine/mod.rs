@@ -7,6 +7,7 @@ pub mod config;
 pub mod cuda_fused;
 pub mod device;
 pub mod error;
+pub mod gemm_cpu;
 pub mod lora;
 pub mod metal_plan;
 pub mod profile;

@@ -34,6 +34,9 @@ pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], kernel: CpuKerne
         && w.biases.dtype == Dtype::BF16
         && avx2::available();
     match kernel {
+        _ if m >= GEMM_MIN_ROWS && super::gemm_cpu::available() => {
+            super::gemm_cpu::qgemm(w, x, m, y)
+        }
         _ if m >= GEMM_MIN_ROWS => tiled_gemm(w, x, m, y),
         CpuKernel::Fast if int => int_q4(w, x, m, y, true),
         CpuKernel::Int8 if int => int_q4(w, x, m, y, false),
