@@ -32,6 +32,8 @@ pub struct Report {
     pub decode_time_split: Vec<(String, f64)>,
     /// With `--kernel-times`: GPU time per kernel class over one more decode pass.
     pub kernel_times: Vec<KernelRow>,
+    /// The same for that pass's prompt; `us_per_token` is then per prompt token.
+    pub prefill_kernel_times: Vec<KernelRow>,
 }
 
 #[derive(Serialize)]
@@ -154,13 +156,19 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         add(&mut pre_total, p);
         add(&mut decode_total, d);
     }
-    let mut kernel_times = Vec::new();
+    let (mut kernel_times, mut prefill_kernel_times) = (Vec::new(), Vec::new());
     if args.kernel_times {
         if !model.uses_fused_step() {
             anyhow::bail!("--kernel-times needs the fused CUDA step (--device cuda, --qmatmul native, --cuda-step graph or eager)");
         }
         model.profile_kernels(true);
-        profile_decode(&mut model, &prompt, args.gen_tokens, &mut kernel_times)?;
+        profile_pass(
+            &mut model,
+            &prompt,
+            args.gen_tokens,
+            &mut prefill_kernel_times,
+            &mut kernel_times,
+        )?;
         model.profile_kernels(false);
     }
     let decode_tok_s = median(dec);
@@ -182,6 +190,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         prefill_time_split: time_split(pre_total),
         decode_time_split: time_split(decode_total),
         kernel_times,
+        prefill_kernel_times,
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -191,8 +200,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Shares of a phase's wall time per profiled part, the rest last.
+/// Shares of a phase's wall time per profiled part, the rest last; empty where no part was
+/// timed (the fused CUDA step keeps no host-side counters: see `--kernel-times`).
 fn time_split((total, parts): (f64, [f64; 4])) -> Vec<(String, f64)> {
+    if parts.iter().all(|&p| p == 0.0) {
+        return Vec::new();
+    }
     let mut split: Vec<(String, f64)> = profile::PARTS
         .iter()
         .zip(parts)
@@ -206,30 +219,35 @@ fn time_split((total, parts): (f64, [f64; 4])) -> Vec<(String, f64)> {
     split
 }
 
-/// One profiled decode pass of `gen` tokens after `prompt`: GPU time per kernel class.
-fn profile_decode(
+/// One profiled pass, `prompt` then `gen` decoded tokens: GPU time per kernel class of each.
+fn profile_pass(
     m: &mut Qwen3,
     prompt: &[u32],
     gen: usize,
-    rows: &mut Vec<KernelRow>,
+    prefill: &mut Vec<KernelRow>,
+    decode: &mut Vec<KernelRow>,
 ) -> anyhow::Result<()> {
     m.reset();
     let mut logits = m.next_logits(prompt)?;
-    m.kernel_times()?; // drop the prefill's
+    *prefill = kernel_rows(m.kernel_times()?, prompt.len());
     for _ in 0..gen {
         logits = m.next_logits(&[Qwen3::argmax(&logits)])?;
     }
-    let times = m.kernel_times()?;
+    *decode = kernel_rows(m.kernel_times()?, gen);
+    Ok(())
+}
+
+fn kernel_rows(times: Vec<profile::KernelTime>, tokens: usize) -> Vec<KernelRow> {
     let total: f64 = times.iter().map(|t| t.ms).sum();
-    for t in times {
-        rows.push(KernelRow {
+    times
+        .into_iter()
+        .map(|t| KernelRow {
             kernel: t.name.to_string(),
-            us_per_token: t.ms * 1e3 / gen.max(1) as f64,
+            us_per_token: t.ms * 1e3 / tokens.max(1) as f64,
             share: t.ms / total,
             gb_s: (t.bytes > 0).then(|| t.bytes as f64 / (t.ms * 1e-3) / 1e9),
-        });
-    }
-    Ok(())
+        })
+        .collect()
 }
 
 fn print_table(r: &Report) {
@@ -263,15 +281,28 @@ fn print_table(r: &Report) {
         ("prefill", &r.prefill_time_split),
         ("decode", &r.decode_time_split),
     ] {
+        if split.is_empty() {
+            continue;
+        }
         println!("{phase} time split:");
         for (name, f) in split {
             println!("  {:5.1}%  {name}", 100.0 * f);
         }
     }
-    if !r.kernel_times.is_empty() {
-        let total: f64 = r.kernel_times.iter().map(|k| k.us_per_token).sum();
-        println!("GPU time per decoded token ({total:.0} us in kernels, CUDA events):");
-        for k in &r.kernel_times {
+    for (rows, what, tokens) in [
+        (
+            &r.prefill_kernel_times,
+            "GPU time of the prompt",
+            r.prompt_tokens as f64,
+        ),
+        (&r.kernel_times, "GPU time per decoded token", 1.0),
+    ] {
+        if rows.is_empty() {
+            continue;
+        }
+        let total: f64 = rows.iter().map(|k| k.us_per_token).sum::<f64>() * tokens;
+        println!("{what} ({total:.0} us in kernels, CUDA events; us per token below):");
+        for k in rows {
             let bw = k
                 .gb_s
                 .map(|g| format!("  {g:6.0} GB/s"))

@@ -23,16 +23,20 @@ use super::error::{EngineError, Result};
 use super::lora::LoraBranch;
 use super::profile::KernelTime;
 use super::quant::{CpuKernel, QMatrix};
-use super::quant_cuda::{qmv4_smem, resident, Epi, GpuQMatrix, MODULE as QMODULE, PTX as QPTX};
+use super::quant_cuda::{
+    qmm_splits, qmv4_smem, resident, Epi, GpuQMatrix, MODULE as QMODULE, PTX as QPTX,
+};
 use super::qwen3::{CudaStep, Linear, Qwen3, Weight};
 
 const STEP_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/step.ptx"));
 const STEP_MODULE: &str = "bot_step";
-const QMATMUL_KERNELS: [&str; 5] = [
+const QMATMUL_KERNELS: [&str; 7] = [
     "qmv_f32",
     "qmv4_m1_r2",
     "qmv4_m1_r4",
     "qmm_tf32",
+    "qmm_tf32_sk",
+    "qmm_reduce",
     "qgather_f32",
 ];
 const STEP_KERNELS: [&str; 12] = [
@@ -101,6 +105,19 @@ impl Dims {
     fn qkv(&self) -> usize {
         (self.nh + 2 * self.nkv) * self.hd
     }
+
+    /// Floats of split-K partials the layer matmuls need for `rows` prompt rows.
+    fn split_workspace(&self, rows: usize) -> usize {
+        let (h, a, i) = (self.h, self.nh * self.hd, self.inter);
+        [(self.qkv(), h), (h, a), (2 * i, h), (h, i)]
+            .iter()
+            .map(|&(n, k)| match qmm_splits(n, rows, k) {
+                1 => 0,
+                s => s * rows * n,
+            })
+            .max()
+            .unwrap_or(0)
+    }
 }
 
 /// Activations for up to `rows` positions.
@@ -113,6 +130,8 @@ struct Buffers {
     gu: CudaSlice<f32>,
     act: CudaSlice<f32>,
     t: CudaSlice<f32>,
+    /// Partial sums of split-K prompt matmuls.
+    ws: CudaSlice<f32>,
     logits: CudaSlice<f32>,
     ids: CudaSlice<u32>,
 }
@@ -627,8 +646,43 @@ impl FusedQwen3 {
             Arg::I(sd),
             Arg::E(epi),
         ];
+        let splits = qmm_splits(p.n, rows, p.k);
         if rows <= 8 || self.exact {
             self.launch_as(tag, "qmv_f32", (p.n.div_ceil(8), 1), 256, 0, &a)
+        } else if splits > 1 && splits * rows * p.n <= self.bufs.ws.len() {
+            let ws = ptr(&self.bufs.ws, st);
+            let grid = (p.n.div_ceil(64), rows.div_ceil(64) * splits);
+            let sk = [
+                Arg::P(x),
+                Arg::P(w),
+                Arg::P(s),
+                Arg::P(b),
+                Arg::P(ws),
+                Arg::I(rows as i32),
+                Arg::I(n),
+                Arg::I(k),
+                Arg::I(bits),
+                Arg::I(gs),
+                Arg::I(sd),
+                Arg::I(splits as i32),
+            ];
+            self.launch_as(tag, "qmm_tf32_sk", grid, 128, 0, &sk)?;
+            let red = [
+                Arg::P(ws),
+                Arg::P(y),
+                Arg::I(rows as i32),
+                Arg::I(n),
+                Arg::I(splits as i32),
+                Arg::E(epi),
+            ];
+            self.launch_as(
+                tag,
+                "qmm_reduce",
+                ((rows * p.n).div_ceil(256), 1),
+                256,
+                0,
+                &red,
+            )
         } else {
             self.launch_as(
                 tag,
@@ -956,6 +1010,7 @@ impl Buffers {
             gu: z(rows * 2 * d.inter)?,
             act: z(rows * d.inter)?,
             t: z(rows * rtot)?,
+            ws: z(d.split_workspace(rows).max(1))?,
             logits: z(d.vocab)?,
             ids: dev.alloc_zeros::<u32>(rows)?,
         })

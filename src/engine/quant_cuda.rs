@@ -146,6 +146,50 @@ pub fn qmatmul_fwd(
             out_shape(l, n),
         ));
     }
+    let splits = qmm_splits(n, m, k);
+    if m > QMV_MAX_ROWS && kernel != CpuKernel::Exact && splits > 1 {
+        // split K over blocks (see qmm_tf32_sk), then add the partials
+        // SAFETY: qmm_tf32_sk writes every element of its splits * m * n partials.
+        let ws = unsafe { dev.alloc::<f32>(splits * m * n)? };
+        let func = dev.get_or_load_custom_func("qmm_tf32_sk", MODULE, PTX)?;
+        let mut b = func.builder();
+        b.arg(&x);
+        b.arg(&g.packed);
+        b.arg(&g.scales);
+        b.arg(&g.biases);
+        b.arg(&ws);
+        let sp = splits as i32;
+        for d in [&p.m, &p.n, &p.k, &p.bits, &p.group_size, &p.sdtype, &sp] {
+            b.arg(d);
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(64) as u32, (m.div_ceil(64) * splits) as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match qmm_tf32_sk's signature; ws holds splits * m * n.
+        unsafe { b.launch(cfg) }.w()?;
+        let func = dev.get_or_load_custom_func("qmm_reduce", MODULE, PTX)?;
+        let mut b = func.builder();
+        b.arg(&ws);
+        b.arg(&y);
+        for d in [&p.m, &p.n, &sp] {
+            b.arg(d);
+        }
+        let epi = Epi::default();
+        b.arg(&epi);
+        let cfg = LaunchConfig {
+            grid_dim: ((m * n).div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match qmm_reduce's signature; y holds m * n.
+        unsafe { b.launch(cfg) }.w()?;
+        return Ok((
+            CudaStorage::wrap_cuda_slice(y, dev.clone()),
+            out_shape(l, n),
+        ));
+    }
     let (name, cfg) = if m > QMV_MAX_ROWS && kernel != CpuKernel::Exact {
         (
             "qmm_tf32",
@@ -185,6 +229,21 @@ pub fn qmatmul_fwd(
         CudaStorage::wrap_cuda_slice(y, dev.clone()),
         out_shape(l, n),
     ))
+}
+
+/// Prompt matmuls split K until they launch this many 64x64-tile blocks (about four per SM
+/// on a 132-SM H100), each split at least 256 codes long.
+const QMM_TARGET_BLOCKS: usize = 528;
+
+/// K splits for a prompt matmul (`qmm_tf32_sk`) of `m` rows against an `n` x `k` matrix; 1 = no
+/// split. Each split is a multiple of the kernel's 32-code K step.
+pub(crate) fn qmm_splits(n: usize, m: usize, k: usize) -> usize {
+    let blocks = n.div_ceil(64) * m.div_ceil(64);
+    let mut s = 1;
+    while blocks * s < QMM_TARGET_BLOCKS && k % (2 * s * 32) == 0 && k / (2 * s) >= 256 {
+        s *= 2;
+    }
+    s
 }
 
 /// x's shape with the last dimension replaced by `n`.
@@ -265,7 +324,8 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         for bits in [2, 3, 4, 5, 6, 8] {
             for gs in [32, 64, 128] {
-                // odd rows reach the two-rows-a-warp decode kernel; 2304 wide takes 3 steps
+                // odd rows reach the two-rows-a-warp decode kernel; 2304 wide takes 3 steps and, from
+                // 9 rows on, splits K four ways (qmm_tf32_sk + qmm_reduce; 576 is no whole group)
                 for (rows, cols) in [(40, 256), (100, 384), (8, 640), (37, 2304)] {
                     let sd = [Dtype::BF16, Dtype::F16, Dtype::F32][(bits + gs) % 3];
                     let w = Arc::new(random_qmatrix(

@@ -12,6 +12,8 @@
 // qmm_tf32 (prefill, many rows): a 64x64 output tile per block; each K step dequantizes a
 // 64x32 tile of W into shared memory and runs TF32 tensor-core MMAs (wmma 16x16x8), so the
 // dequantized matrix never exists in global memory and each weight is read once per 64 rows.
+// qmm_tf32_sk splits K over blocks when N/64 tiles alone would leave most SMs idle (a 64-token
+// prompt against a 4096-wide matrix is 64 blocks for 132 SMs); qmm_reduce adds the splits.
 //
 // qmv4_m1 (decode at 4 bits, one row of x) is the fast path of qmv; see its comment.
 // qmv, qmv4_m1 and qmm apply an epilogue (LoRA term, residual) to each output: see common.cuh.
@@ -226,56 +228,71 @@ QMV4(4)
 #define QMM_PAD 4
 #define QMM_THREADS 128
 
-// Grid: (ceil(N / 64), ceil(M / 64)), 128 threads (4 warps, each 16 rows of x by 64 of W).
-extern "C" __global__ void qmm_tf32(const float* __restrict__ x, const uint8_t* __restrict__ w,
-                                    const void* __restrict__ scales, const void* __restrict__ biases,
-                                    float* y, int M, int N, int K, int bits,
-                                    int group_size, int sdtype, Epi e) {
+// One 64x64 output tile over codes [kbeg, kend) of K; 128 threads (4 warps, each 16 rows of x
+// by 64 of W). The next K step's x values and packed codes are loaded into registers while the
+// tensor cores work on the current one (then dequantized into shared memory), so global latency
+// overlaps the MMAs. With `ws`, the raw partial sums go to ws[z] (split K; `qmm_reduce` adds
+// the splits and applies the epilogue), else the epilogue is applied here.
+__device__ __forceinline__ void qmm_tile(const float* __restrict__ x, const uint8_t* __restrict__ w,
+                                         const void* __restrict__ scales,
+                                         const void* __restrict__ biases, float* y, int M, int N,
+                                         int K, int bits, int group_size, int sdtype, const Epi& e,
+                                         int m0, int n0, int kbeg, int kend, float* ws) {
     __shared__ __align__(32) float As[QMM_BM][QMM_BK + QMM_PAD];
     __shared__ __align__(32) float Bs[QMM_BN][QMM_BK + QMM_PAD];
     __shared__ __align__(32) float Cs[QMM_BM][QMM_BN + QMM_PAD];
     const int tid = threadIdx.x, warp = tid >> 5;
-    const int n0 = blockIdx.x * QMM_BN, m0 = blockIdx.y * QMM_BM;
     const size_t row_bytes = (size_t)K * bits / 8;
     const int groups = K / group_size;
+    // this thread's share of a K step: 16 values of row r of each tile, from column c
+    const int r = tid >> 1, c = (tid & 1) * 16;
+    const bool xin = m0 + r < M, win = n0 + r < N;
+    const uint8_t* wrow = w + (size_t)(n0 + r) * row_bytes;
+
+    float4 xa[4];
+    uint2 w4 = make_uint2(0u, 0u);
+    float q[16], s = 0.f, b = 0.f;
+    auto fetch = [&](int k0) {
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            xa[j] = xin ? *(const float4*)(x + (size_t)(m0 + r) * K + k0 + c + 4 * j)
+                        : make_float4(0.f, 0.f, 0.f, 0.f);
+        if (win) {
+            if (bits == 4) w4 = *(const uint2*)(wrow + (k0 + c) / 2);
+            else unpack16(wrow, k0 + c, bits, q);
+            const int g = (n0 + r) * groups + (k0 + c) / group_size;
+            s = load_param(scales, g, sdtype);
+            b = load_param(biases, g, sdtype);
+        }
+    };
+    auto stash = [&]() {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            As[r][c + 4 * j] = wmma::__float_to_tf32(xa[j].x);
+            As[r][c + 4 * j + 1] = wmma::__float_to_tf32(xa[j].y);
+            As[r][c + 4 * j + 2] = wmma::__float_to_tf32(xa[j].z);
+            As[r][c + 4 * j + 3] = wmma::__float_to_tf32(xa[j].w);
+        }
+        if (bits == 4) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                q[i] = (float)((w4.x >> (4 * i)) & 15u);
+                q[8 + i] = (float)((w4.y >> (4 * i)) & 15u);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 16; j++) Bs[r][c + j] = win ? wmma::__float_to_tf32(fmaf(s, q[j], b)) : 0.f;
+    };
 
     wmma::fragment<wmma::accumulator, 16, 16, 8, float> acc[4];
 #pragma unroll
     for (int j = 0; j < 4; j++) wmma::fill_fragment(acc[j], 0.f);
-
-    for (int k0 = 0; k0 < K; k0 += QMM_BK) {
-        // x tile: 64 x 32 floats, 16 per thread; rows past M are zero.
-        {
-            const int r = tid >> 1, c = (tid & 1) * 16;
-            const int m = m0 + r;
-#pragma unroll
-            for (int j = 0; j < 16; j += 4) {
-                float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-                if (m < M) v = *(const float4*)(x + (size_t)m * K + k0 + c + j);
-                As[r][c + j] = wmma::__float_to_tf32(v.x);
-                As[r][c + j + 1] = wmma::__float_to_tf32(v.y);
-                As[r][c + j + 2] = wmma::__float_to_tf32(v.z);
-                As[r][c + j + 3] = wmma::__float_to_tf32(v.w);
-            }
-        }
-        // W tile: 64 rows x 32 codes, dequantized, 16 per thread; rows past N are zero.
-        {
-            const int r = tid >> 1, c = (tid & 1) * 16;
-            const int n = n0 + r;
-            float q[16];
-            if (n < N) {
-                unpack16(w + (size_t)n * row_bytes, k0 + c, bits, q);
-                const int g = n * groups + (k0 + c) / group_size;
-                const float s = load_param(scales, g, sdtype);
-                const float b = load_param(biases, g, sdtype);
-#pragma unroll
-                for (int j = 0; j < 16; j++) Bs[r][c + j] = wmma::__float_to_tf32(fmaf(s, q[j], b));
-            } else {
-#pragma unroll
-                for (int j = 0; j < 16; j++) Bs[r][c + j] = 0.f;
-            }
-        }
-        __syncthreads();
+    fetch(kbeg);
+    stash();
+    __syncthreads();
+    for (int k0 = kbeg; k0 < kend; k0 += QMM_BK) {
+        const bool more = k0 + QMM_BK < kend;
+        if (more) fetch(k0 + QMM_BK);
 #pragma unroll
         for (int kk = 0; kk < QMM_BK; kk += 8) {
             wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> a;
@@ -283,22 +300,62 @@ extern "C" __global__ void qmm_tf32(const float* __restrict__ x, const uint8_t* 
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 // W is N x K row-major, i.e. the K x N operand in column-major order.
-                wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::col_major> b;
-                wmma::load_matrix_sync(b, &Bs[j * 16][kk], QMM_BK + QMM_PAD);
-                wmma::mma_sync(acc[j], a, b, acc[j]);
+                wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::col_major> bf;
+                wmma::load_matrix_sync(bf, &Bs[j * 16][kk], QMM_BK + QMM_PAD);
+                wmma::mma_sync(acc[j], a, bf, acc[j]);
             }
         }
         __syncthreads();
+        if (more) {
+            stash();
+            __syncthreads();
+        }
     }
 #pragma unroll
     for (int j = 0; j < 4; j++)
         wmma::store_matrix_sync(&Cs[warp * 16][j * 16], acc[j], QMM_BN + QMM_PAD, wmma::mem_row_major);
     __syncthreads();
     for (int i = tid; i < QMM_BM * QMM_BN; i += QMM_THREADS) {
-        const int r = i / QMM_BN, c = i % QMM_BN;
-        if (m0 + r < M && n0 + c < N)
-            y[(size_t)(m0 + r) * N + n0 + c] = epilogue(Cs[r][c], m0 + r, n0 + c, N, e);
+        const int rr = i / QMM_BN, cc = i % QMM_BN;
+        if (m0 + rr < M && n0 + cc < N) {
+            const size_t o = (size_t)(m0 + rr) * N + n0 + cc;
+            if (ws) ws[o] = Cs[rr][cc];
+            else y[o] = epilogue(Cs[rr][cc], m0 + rr, n0 + cc, N, e);
+        }
     }
+}
+
+// Grid: (ceil(N / 64), ceil(M / 64)), 128 threads.
+extern "C" __global__ void qmm_tf32(const float* __restrict__ x, const uint8_t* __restrict__ w,
+                                    const void* __restrict__ scales, const void* __restrict__ biases,
+                                    float* y, int M, int N, int K, int bits,
+                                    int group_size, int sdtype, Epi e) {
+    qmm_tile(x, w, scales, biases, y, M, N, K, bits, group_size, sdtype, e, blockIdx.y * QMM_BM,
+             blockIdx.x * QMM_BN, 0, K, nullptr);
+}
+
+// Split K: grid (ceil(N / 64), ceil(M / 64) * splits), 128 threads; K / splits must be a
+// multiple of QMM_BK. Split z writes its partial (M, N) to ws + z * M * N.
+extern "C" __global__ void qmm_tf32_sk(const float* __restrict__ x, const uint8_t* __restrict__ w,
+                                       const void* __restrict__ scales,
+                                       const void* __restrict__ biases, float* ws, int M, int N,
+                                       int K, int bits, int group_size, int sdtype, int splits) {
+    const int mb = (M + QMM_BM - 1) / QMM_BM;
+    const int z = blockIdx.y / mb, kc = K / splits;
+    const Epi none = {nullptr, nullptr, nullptr, 0, 0, 0, 0, 0, 0};
+    qmm_tile(x, w, scales, biases, nullptr, M, N, K, bits, group_size, sdtype, none,
+             (blockIdx.y % mb) * QMM_BM, blockIdx.x * QMM_BN, z * kc, (z + 1) * kc,
+             ws + (size_t)z * M * N);
+}
+
+// y = epilogue(sum of the splits' partials), in split order (deterministic). 256 threads.
+extern "C" __global__ void qmm_reduce(const float* __restrict__ ws, float* y, int M, int N,
+                                      int splits, Epi e) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x, mn = (size_t)M * N;
+    if (i >= mn) return;
+    float v = 0.f;
+    for (int z = 0; z < splits; z++) v += ws[z * mn + i];
+    y[i] = epilogue(v, (int)(i / N), (int)(i % N), N, e);
 }
 
 // Rows `ids` of a quantized table, dequantized: out (L, K).

@@ -283,15 +283,24 @@ extern "C" __global__ void lora_a_f32(const float* __restrict__ x, const float* 
     const float4* ar = (const float4*)(at + (size_t)j * K);
     const float4* nr = (const float4*)norm_w;
     float s = 0.f, ss = 0.f;
-    for (int k = threadIdx.x; k < K / 4; k += blockDim.x) {
-        float4 a = ar[k];
-        const float4 v = xr[k];
-        if (norm_w) {
-            const float4 g = nr[k];
-            a = make_float4(a.x * g.x, a.y * g.y, a.z * g.z, a.w * g.w);
-            ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
+    // four float4 of each operand in flight per thread before any FMA (K = 4096 is one pass)
+    const int K4 = K / 4, bd = blockDim.x;
+    for (int k0 = threadIdx.x; k0 < K4; k0 += 4 * bd) {
+        float4 a[4], v[4], g[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int k = k0 + u * bd;
+            const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+            a[u] = k < K4 ? ar[k] : z;
+            v[u] = k < K4 ? xr[k] : z;
+            g[u] = norm_w && k < K4 ? nr[k] : make_float4(1.f, 1.f, 1.f, 1.f);
         }
-        s = fmaf(a.x, v.x, fmaf(a.y, v.y, fmaf(a.z, v.z, fmaf(a.w, v.w, s))));
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const float4 aa = make_float4(a[u].x * g[u].x, a[u].y * g[u].y, a[u].z * g[u].z, a[u].w * g[u].w);
+            ss = fmaf(v[u].x, v[u].x, fmaf(v[u].y, v[u].y, fmaf(v[u].z, v[u].z, fmaf(v[u].w, v[u].w, ss))));
+            s = fmaf(aa.x, v[u].x, fmaf(aa.y, v[u].y, fmaf(aa.z, v[u].z, fmaf(aa.w, v[u].w, s))));
+        }
     }
     s = warp_sum(s);
     ss = warp_sum(ss);
