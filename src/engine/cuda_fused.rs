@@ -5,7 +5,8 @@
 //! inside; o with the residual add; gate|up (rows interleaved) with the norm inside and SwiGLU
 //! as its epilogue; down with the residual add. LoRA B products ride in the matmuls' epilogues.
 //! The step is captured once as a CUDA graph and replayed for every token. Prompts take the
-//! TF32 matmul and separate norm, RoPE and SwiGLU kernels. The numerics are those of
+//! fp16 tensor-core matmul at 4 bits (TF32 at other widths; their input converted by
+//! `x_to_f16p`) and separate norm, RoPE and SwiGLU kernels. The numerics are those of
 //! `qwen3.rs` (mlx_lm's Qwen3), which stays the reference and the path of the other devices.
 
 use std::cell::RefCell;
@@ -21,19 +22,23 @@ use candle_core::CudaDevice;
 
 use super::error::{EngineError, Result};
 use super::lora::LoraBranch;
+use super::metal_plan::QParams;
 use super::profile::KernelTime;
 use super::quant::{CpuKernel, QMatrix};
 use super::quant_cuda::{
-    qmm_splits, qmv4_smem, resident, Epi, GpuQMatrix, MODULE as QMODULE, PTX as QPTX,
+    f16_prompt_kernel, qmm4_splits, qmm_splits, qmv4_smem, resident, Epi, GpuQMatrix,
+    MODULE as QMODULE, PTX as QPTX,
 };
 use super::qwen3::{CudaStep, Linear, Qwen3, Weight};
 
 const STEP_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/step.ptx"));
 const STEP_MODULE: &str = "bot_step";
-const QMATMUL_KERNELS: [&str; 7] = [
+const QMATMUL_KERNELS: [&str; 9] = [
     "qmv_f32",
     "qmv4_m1_r2",
     "qmv4_m1_r4",
+    "qmm4_f16",
+    "x_to_f16p",
     "qmm_tf32",
     "qmm_tf32_sk",
     "qmm_reduce",
@@ -111,9 +116,14 @@ impl Dims {
         let (h, a, i) = (self.h, self.nh * self.hd, self.inter);
         [(self.qkv(), h), (h, a), (2 * i, h), (h, i)]
             .iter()
-            .map(|&(n, k)| match qmm_splits(n, rows, k) {
-                1 => 0,
-                s => s * rows * n,
+            .map(|&(n, k)| {
+                // the kernel (fp16 or TF32) depends on the bit width: room for either split
+                let s = qmm_splits(n, rows, k).max(qmm4_splits(n, rows, k));
+                if s == 1 {
+                    0
+                } else {
+                    s * rows * n
+                }
             })
             .max()
             .unwrap_or(0)
@@ -132,6 +142,9 @@ struct Buffers {
     t: CudaSlice<f32>,
     /// Partial sums of split-K prompt matmuls.
     ws: CudaSlice<f32>,
+    /// A prompt matmul's input as `x_to_f16p` writes it, and its rows' scales.
+    xh: CudaSlice<u16>,
+    rs: CudaSlice<f32>,
     logits: CudaSlice<f32>,
     ids: CudaSlice<u32>,
 }
@@ -191,6 +204,10 @@ pub fn unsupported(m: &Qwen3) -> Option<String> {
     }
     if c.num_attention_heads % c.num_key_value_heads != 0 {
         return Some("heads are not a multiple of KV heads".into());
+    }
+    if c.hidden_size % 4 != 0 || c.intermediate_size % 4 != 0 {
+        // the kernels read activation rows as float4
+        return Some("hidden or intermediate size is not a multiple of 4".into());
     }
     let all = m
         .projections()
@@ -314,7 +331,7 @@ impl FusedQwen3 {
             .unwrap_or(0);
         let smem = qmv4_smem(widest.max(d.h));
         {
-            for name in ["qmv4_m1_r2", "qmv4_m1_r4"] {
+            for name in QMATMUL_KERNELS.iter().filter(|f| f.starts_with("qmv4")) {
                 if let Some(f) = funcs.get(name) {
                     f.set_attribute(
                         sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -500,6 +517,30 @@ impl FusedQwen3 {
         smem: usize,
         args: &[Arg],
     ) -> Result<()> {
+        self.launch_grid(tag, f, (grid.0, grid.1, 1), block, smem, args)
+    }
+
+    /// `launch_as` with a 3-D grid and no dynamic shared memory.
+    fn launch3(
+        &self,
+        tag: &'static str,
+        f: &str,
+        grid: (usize, usize, usize),
+        block: usize,
+        args: &[Arg],
+    ) -> Result<()> {
+        self.launch_grid(tag, f, grid, block, 0, args)
+    }
+
+    fn launch_grid(
+        &self,
+        tag: &'static str,
+        f: &str,
+        grid: (usize, usize, usize),
+        block: usize,
+        smem: usize,
+        args: &[Arg],
+    ) -> Result<()> {
         let func = self
             .funcs
             .get(f)
@@ -514,7 +555,7 @@ impl FusedQwen3 {
             };
         }
         let cfg = LaunchConfig {
-            grid_dim: (grid.0 as u32, grid.1 as u32, 1),
+            grid_dim: (grid.0 as u32, grid.1 as u32, grid.2 as u32),
             block_dim: (block as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
@@ -646,6 +687,72 @@ impl FusedQwen3 {
             Arg::I(sd),
             Arg::E(epi),
         ];
+        let q = QParams {
+            m: rows as i32,
+            n,
+            k,
+            bits,
+            group_size: gs,
+            sdtype: sd,
+        };
+        if rows > 8 && !self.exact && f16_prompt_kernel(&q) {
+            let (xh, rs, ws) = (
+                ptr(&self.bufs.xh, st),
+                ptr(&self.bufs.rs, st),
+                ptr(&self.bufs.ws, st),
+            );
+            self.launch_as(
+                tag,
+                "x_to_f16p",
+                (rows, 1),
+                256,
+                0,
+                &[Arg::P(x), Arg::P(xh), Arg::P(rs), Arg::I(k)],
+            )?;
+            let splits = qmm4_splits(p.n, rows, p.k);
+            let splits = if splits * rows * p.n <= self.bufs.ws.len() {
+                splits
+            } else {
+                1
+            };
+            let a = [
+                Arg::P(xh),
+                Arg::P(rs),
+                Arg::P(w),
+                Arg::P(s),
+                Arg::P(b),
+                Arg::P(y),
+                Arg::P(ws),
+                Arg::I(rows as i32),
+                Arg::I(n),
+                Arg::I(k),
+                Arg::I(gs),
+                Arg::I(sd),
+                Arg::I(splits as i32),
+                Arg::E(epi),
+            ];
+            let grid = (p.n.div_ceil(128), rows.div_ceil(64), splits);
+            self.launch3(tag, "qmm4_f16", grid, 128, &a)?;
+            if splits == 1 {
+                return Ok(());
+            }
+            let red = [
+                Arg::P(ws),
+                Arg::P(y),
+                Arg::I(rows as i32),
+                Arg::I(n),
+                Arg::I(splits as i32),
+                Arg::E(epi),
+            ];
+            return self.launch_as(
+                tag,
+                "qmm_reduce",
+                ((rows * p.n).div_ceil(256), 1),
+                256,
+                0,
+                &red,
+            );
+        }
         let splits = qmm_splits(p.n, rows, p.k);
         if rows <= 8 || self.exact {
             self.launch_as(tag, "qmv_f32", (p.n.div_ceil(8), 1), 256, 0, &a)
@@ -1011,6 +1118,8 @@ impl Buffers {
             act: z(rows * d.inter)?,
             t: z(rows * rtot)?,
             ws: z(d.split_workspace(rows).max(1))?,
+            xh: dev.alloc_zeros::<u16>(rows * d.h.max(d.inter).max(d.nh * d.hd))?,
+            rs: z(rows)?,
             logits: z(d.vocab)?,
             ids: dev.alloc_zeros::<u32>(rows)?,
         })

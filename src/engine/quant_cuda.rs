@@ -1,7 +1,8 @@
 //! CUDA forward of the fused quantized matmul and the quantized embedding gather: each
 //! `QMatrix` is uploaded once, as stored (packed codes, raw scales and biases), and the kernels
 //! of `cuda/qmatmul.cu` (PTX built by `build.rs`) run on it. Few rows of x take the fp32 `qmv`
-//! kernel; many rows take the TF32 tensor-core `qmm` kernel unless the exact kernel is asked for.
+//! kernel; many rows take a tensor-core kernel unless the exact kernel is asked for: fp16
+//! `qmm4_f16` at 4 bits, TF32 `qmm_tf32` at other widths.
 
 use std::sync::{Arc, OnceLock};
 
@@ -146,6 +147,54 @@ pub fn qmatmul_fwd(
             out_shape(l, n),
         ));
     }
+    if m > QMV_MAX_ROWS && kernel != CpuKernel::Exact && f16_prompt_kernel(&p) {
+        let splits = qmm4_splits(n, m, k);
+        // SAFETY: x_to_f16p writes all m * k halves and m row scales; qmm4_f16 writes every
+        // element of y (one split) or of the splits * m * n partials.
+        let (xh, rs) = unsafe { (dev.alloc::<u16>(m * k)?, dev.alloc::<f32>(m)?) };
+        let ws = unsafe { dev.alloc::<f32>(if splits > 1 { splits * m * n } else { 1 })? };
+        let func = dev.get_or_load_custom_func("x_to_f16p", MODULE, PTX)?;
+        let mut b = func.builder();
+        b.arg(&x);
+        b.arg(&xh);
+        b.arg(&rs);
+        b.arg(&p.k);
+        let cfg = LaunchConfig {
+            grid_dim: (m as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match x_to_f16p's signature; x holds m * k floats.
+        unsafe { b.launch(cfg) }.w()?;
+        let func = dev.get_or_load_custom_func("qmm4_f16", MODULE, PTX)?;
+        let mut b = func.builder();
+        b.arg(&xh);
+        b.arg(&rs);
+        b.arg(&g.packed);
+        b.arg(&g.scales);
+        b.arg(&g.biases);
+        b.arg(&y);
+        b.arg(&ws);
+        let (sp, epi) = (splits as i32, Epi::default());
+        for d in [&p.m, &p.n, &p.k, &p.group_size, &p.sdtype, &sp] {
+            b.arg(d);
+        }
+        b.arg(&epi);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(128) as u32, m.div_ceil(64) as u32, splits as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match qmm4_f16's signature; buffers sized above.
+        unsafe { b.launch(cfg) }.w()?;
+        if splits > 1 {
+            reduce(dev, &ws, &y, &p, sp)?;
+        }
+        return Ok((
+            CudaStorage::wrap_cuda_slice(y, dev.clone()),
+            out_shape(l, n),
+        ));
+    }
     let splits = qmm_splits(n, m, k);
     if m > QMV_MAX_ROWS && kernel != CpuKernel::Exact && splits > 1 {
         // split K over blocks (see qmm_tf32_sk), then add the partials
@@ -169,22 +218,7 @@ pub fn qmatmul_fwd(
         };
         // SAFETY: the arguments match qmm_tf32_sk's signature; ws holds splits * m * n.
         unsafe { b.launch(cfg) }.w()?;
-        let func = dev.get_or_load_custom_func("qmm_reduce", MODULE, PTX)?;
-        let mut b = func.builder();
-        b.arg(&ws);
-        b.arg(&y);
-        for d in [&p.m, &p.n, &sp] {
-            b.arg(d);
-        }
-        let epi = Epi::default();
-        b.arg(&epi);
-        let cfg = LaunchConfig {
-            grid_dim: ((m * n).div_ceil(256) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match qmm_reduce's signature; y holds m * n.
-        unsafe { b.launch(cfg) }.w()?;
+        reduce(dev, &ws, &y, &p, sp)?;
         return Ok((
             CudaStorage::wrap_cuda_slice(y, dev.clone()),
             out_shape(l, n),
@@ -229,6 +263,55 @@ pub fn qmatmul_fwd(
         CudaStorage::wrap_cuda_slice(y, dev.clone()),
         out_shape(l, n),
     ))
+}
+
+/// `y = sum of the splits' partials in ws` (qmm_reduce, no epilogue).
+fn reduce(
+    dev: &CudaDevice,
+    ws: &CudaSlice<f32>,
+    y: &CudaSlice<f32>,
+    p: &QParams,
+    splits: i32,
+) -> candle_core::Result<()> {
+    let func = dev.get_or_load_custom_func("qmm_reduce", MODULE, PTX)?;
+    let mut b = func.builder();
+    b.arg(ws);
+    b.arg(y);
+    for d in [&p.m, &p.n, &splits] {
+        b.arg(d);
+    }
+    let epi = Epi::default();
+    b.arg(&epi);
+    let mn = (p.m * p.n) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (mn.div_ceil(256), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match qmm_reduce's signature; y holds m * n, ws splits * m * n.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// Whether a prompt matmul takes `qmm4_f16` (4 bits, K a multiple of its 128-code step, groups
+/// of whole 32-code runs); the rest take the TF32 kernel.
+pub(crate) fn f16_prompt_kernel(p: &QParams) -> bool {
+    // f32 scales and biases would be rounded to fp16 (bf16 and f16 ones convert exactly)
+    p.bits == 4 && p.k % 128 == 0 && p.group_size % 32 == 0 && p.group_size <= 128 && p.sdtype != 2
+}
+
+/// Blocks (128 weight rows by 64 x rows) a prompt matmul aims for: two per SM of an H100.
+const QMM4_TARGET_BLOCKS: usize = 264;
+
+/// K splits for `qmm4_f16` over `m` rows against an `n` x `k` matrix: doubled until the grid
+/// reaches the target, each split a multiple of 128 codes and at least 512 long.
+pub(crate) fn qmm4_splits(n: usize, m: usize, k: usize) -> usize {
+    let blocks = n.div_ceil(128) * m.div_ceil(64);
+    let mut s = 1;
+    while blocks * s < QMM4_TARGET_BLOCKS && k % (2 * s * 128) == 0 && k / (2 * s) >= 512 {
+        s *= 2;
+    }
+    s
 }
 
 /// Prompt matmuls split K until they launch this many 64x64-tile blocks (about four per SM
@@ -354,6 +437,36 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// The fp16 prompt kernel scales each row of x by a power of two before rounding it to fp16:
+    /// activations far past fp16's range (65504) and far below its normal range still give
+    /// the reference's result.
+    #[test]
+    fn f16_prompt_kernel_survives_large_and_tiny_activations() {
+        let dev = Device::new_cuda(0).expect("a `cuda` build's tests need a GPU");
+        let w = Arc::new(random_qmatrix(300, 1024, 4, 64, Dtype::BF16, 11));
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        for amp in [3e5f32, 1e-7, 1.0] {
+            let m = 20;
+            let mut x: Vec<f32> = (0..m * 1024).map(|_| rng.random_range(-amp..amp)).collect();
+            x[5] = 0.0;
+            x[1024..2048].iter_mut().for_each(|v| *v = 0.0); // an all-zero row
+            let want = w.matmul_reference(&x, m);
+            let xt = Tensor::from_vec(x, (m, 1024), &dev).unwrap();
+            let got: Vec<f32> = qmatmul(&xt, &w, CpuKernel::Fast)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            assert!(
+                got.iter().all(|v| v.is_finite()),
+                "amp {amp}: non-finite output"
+            );
+            let e = rel_err(&got, &want);
+            assert!(e <= 3e-3, "amp {amp}: rel err {e:.2e}");
         }
     }
 

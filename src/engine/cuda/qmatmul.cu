@@ -358,6 +358,210 @@ extern "C" __global__ void qmm_reduce(const float* __restrict__ ws, float* y, in
     y[i] = epilogue(v, (int)(i / N), (int)(i % N), N, e);
 }
 
+// ---- qmm4_f16: prompts at 4 bits on fp16 tensor cores (mma.sync m16n8k16, f32 accumulation).
+//
+// The weights go from global memory straight into MMA A fragments in registers: a thread loads
+// 16 bytes (32 codes) of each of its four rows per 128-code K step and dequantizes them itself,
+// so W is read once per block and never staged. K is permuted inside each MMA (a dot product
+// does not care about order, as long as both operands agree): the thread's four k slots of an
+// MMA are codes (i, i+4) and (i+1, i+5) of one packed u32, the pairs that a mask-and-or turns
+// into two halves of an f16x2 at once (1024 + q, exact), and x is stored with the same
+// permutation by `x_to_f16p`. x is staged per K step in shared memory with cp.async (two
+// stages), as fp16 scaled per row by a power of two (`rs` undoes it) so that no activation can
+// overflow fp16's range; fp16's 11-bit significand matches the TF32 kernel's precision.
+//
+// Block: 4 warps; 128 weight rows (32 a warp: two m16 tiles) by 64 x rows (eight n8 tiles).
+// Grid (ceil(N / 128), ceil(M / 64), splits); K / splits must be a multiple of 128. With
+// splits > 1 the raw partials go to ws (qmm_reduce adds them and applies the epilogue).
+
+#define Q16_BN 128
+#define Q16_BM 64
+#define Q16_RS 320  // bytes per x row in a stage: 256 of codes + 64 so rows shift banks
+
+__device__ __forceinline__ void mma16816(float* c, const unsigned int* a, unsigned int b0,
+                                         unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const unsigned int d = (unsigned int)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(gmem),
+                 "r"(valid ? 16 : 0));
+}
+
+// Codes (i, i+4) of a packed u32, dequantized as s * q + b into an f16x2.
+__device__ __forceinline__ unsigned int deq_pair(unsigned int v, int i, __half2 s, __half2 b) {
+    const unsigned int h = ((v >> (4 * i)) & 0x000F000Fu) | 0x64006400u;
+    const __half2 q = __hsub2(*(const __half2*)&h, __floats2half2_rn(1024.f, 1024.f));
+    const __half2 r = __hfma2(q, s, b);
+    return *(const unsigned int*)&r;
+}
+
+extern "C" __global__ void __launch_bounds__(128) qmm4_f16(
+    const __half* __restrict__ xh, const float* __restrict__ rs, const uint8_t* __restrict__ w,
+    const void* __restrict__ scales, const void* __restrict__ biases, float* y, float* ws, int M,
+    int N, int K, int group_size, int sdtype, int splits, Epi e) {
+    __shared__ __align__(16) unsigned char xs[2][Q16_BM * Q16_RS];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * Q16_BN + warp * 32, m0 = blockIdx.y * Q16_BM;
+    const int kc = K / splits, kbeg = blockIdx.z * kc, nsteps = kc / 128;
+    const int mt = min(Q16_BM, M - m0);
+    const int ntiles = (mt + 7) / 8;
+    const size_t rb = (size_t)K / 2;
+    const int groups = K / group_size;
+    // this thread's rows: g, g + 8 of each of the warp's two m16 tiles
+    int rows[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) rows[r] = min(n0 + (r >> 1) * 16 + (r & 1) * 8 + g, N - 1);
+
+    uint4 wv[4], wn[4];
+    __half2 sv[4], bv[4], sn[4], bn[4];
+    auto fetch_w = [&](int k0, uint4* wd, __half2* sd, __half2* bd) {
+        const int k = k0 + 32 * t;
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            wd[r] = *(const uint4*)(w + (size_t)rows[r] * rb + k / 2);
+            const int gi = rows[r] * groups + k / group_size;
+            sd[r] = __float2half2_rn(load_param(scales, gi, sdtype));
+            bd[r] = __float2half2_rn(load_param(biases, gi, sdtype));
+        }
+    };
+    // a stage: 64 rows x 16 chunks of 16 bytes; chunk c of thread-slot t' lands at slot (c + t') & 3
+    auto fetch_x = [&](int k0, int st) {
+#pragma unroll
+        for (int i = 0; i < (Q16_BM * 16) / 128; i++) {
+            const int idx = i * 128 + tid, r = idx >> 4, ch = idx & 15;
+            const int tt = ch >> 2, c = ch & 3;
+            const bool ok = r < mt;
+            const __half* src = xh + (size_t)(m0 + (ok ? r : 0)) * K + k0 + ch * 8;
+            cp_async16(&xs[st][r * Q16_RS + tt * 64 + ((c + tt) & 3) * 16], src, ok);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+
+    float acc[2][8][4];
+#pragma unroll
+    for (int a = 0; a < 2; a++)
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) acc[a][i][j] = 0.f;
+
+    fetch_x(kbeg, 0);
+    fetch_w(kbeg, wv, sv, bv);
+    for (int s = 0; s < nsteps; s++) {
+        const int k0 = kbeg + s * 128;
+        if (s + 1 < nsteps) {
+            fetch_x(k0 + 128, (s + 1) & 1);
+            fetch_w(k0 + 128, wn, sn, bn);
+            asm volatile("cp.async.wait_group 1;\n" ::);
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::);
+        }
+        __syncthreads();
+        const unsigned char* xb = xs[s & 1] + g * Q16_RS + t * 64;
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            // A fragments of both m16 tiles for the two MMAs (h = 0, 1) of packed u32 c
+            unsigned int a[2][2][4];
+#pragma unroll
+            for (int mt2 = 0; mt2 < 2; mt2++) {
+                const int r0 = 2 * mt2, r1 = 2 * mt2 + 1;
+                const unsigned int v0 = c == 0 ? wv[r0].x : c == 1 ? wv[r0].y : c == 2 ? wv[r0].z : wv[r0].w;
+                const unsigned int v1 = c == 0 ? wv[r1].x : c == 1 ? wv[r1].y : c == 2 ? wv[r1].z : wv[r1].w;
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    a[mt2][h][0] = deq_pair(v0, 2 * h, sv[r0], bv[r0]);
+                    a[mt2][h][1] = deq_pair(v1, 2 * h, sv[r1], bv[r1]);
+                    a[mt2][h][2] = deq_pair(v0, 2 * h + 1, sv[r0], bv[r0]);
+                    a[mt2][h][3] = deq_pair(v1, 2 * h + 1, sv[r1], bv[r1]);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                if (i < ntiles) {
+                    const uint4 bq = *(const uint4*)(xb + i * 8 * Q16_RS + ((c + t) & 3) * 16);
+#pragma unroll
+                    for (int mt2 = 0; mt2 < 2; mt2++) {
+                        mma16816(acc[mt2][i], a[mt2][0], bq.x, bq.y);
+                        mma16816(acc[mt2][i], a[mt2][1], bq.z, bq.w);
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        if (s + 1 < nsteps) {
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                wv[r] = wn[r];
+                sv[r] = sn[r];
+                bv[r] = bn[r];
+            }
+        }
+    }
+    // acc[mt2][i]: (weight row g | g + 8 of tile mt2) x (x rows 2t, 2t + 1 of tile i)
+#pragma unroll
+    for (int mt2 = 0; mt2 < 2; mt2++)
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int n = n0 + mt2 * 16 + (j >> 1) * 8 + g;
+                const int mr = 8 * i + 2 * t + (j & 1);
+                if (mr < mt && n < N) {
+                    const int m = m0 + mr;
+                    const float v = acc[mt2][i][j] * rs[m];
+                    const size_t o = (size_t)m * N + n;
+                    if (splits > 1) ws[(size_t)blockIdx.z * M * N + o] = v;
+                    else y[o] = epilogue(v, m, n, N, e);
+                }
+            }
+}
+
+// xh (M, K) fp16 = x * 2^e per row, e chosen so the row's largest |x| lands in [2^13, 2^14)
+// (rs[m] = 2^-e); within each 8 values the order is 0 4 1 5 2 6 3 7 (qmm4_f16's pairs).
+// Grid: M blocks of 256 threads; K % 8 == 0.
+extern "C" __global__ void x_to_f16p(const float* __restrict__ x, __half* __restrict__ xh,
+                                     float* __restrict__ rs, int K) {
+    __shared__ float part[8];
+    const int m = blockIdx.x, tid = threadIdx.x;
+    const float4* xr = (const float4*)(x + (size_t)m * K);
+    float mx = 0.f;
+    for (int c = tid; c < K / 4; c += blockDim.x) {
+        const float4 v = xr[c];
+        mx = fmaxf(mx, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if ((tid & 31) == 0) part[tid >> 5] = mx;
+    __syncthreads();
+    mx = 0.f;
+    for (int i = 0; i < (int)(blockDim.x >> 5); i++) mx = fmaxf(mx, part[i]);
+    int ex = 0;
+    if (mx > 0.f && mx < INFINITY) frexpf(mx, &ex);
+    ex = max(ex, -100);  // 2^(14 - ex) stays a finite f32
+    const float up = ldexpf(1.f, 14 - ex);
+    if (tid == 0) rs[m] = ldexpf(1.f, ex - 14);
+    for (int b = tid; b < K / 8; b += blockDim.x) {
+        const float4 lo = xr[2 * b], hi = xr[2 * b + 1];
+        const __half2 p0 = __floats2half2_rn(lo.x * up, hi.x * up);
+        const __half2 p1 = __floats2half2_rn(lo.y * up, hi.y * up);
+        const __half2 p2 = __floats2half2_rn(lo.z * up, hi.z * up);
+        const __half2 p3 = __floats2half2_rn(lo.w * up, hi.w * up);
+        uint4 o;
+        o.x = *(const unsigned int*)&p0;
+        o.y = *(const unsigned int*)&p1;
+        o.z = *(const unsigned int*)&p2;
+        o.w = *(const unsigned int*)&p3;
+        *(uint4*)(xh + (size_t)m * K + 8 * b) = o;
+    }
+}
+
 // Rows `ids` of a quantized table, dequantized: out (L, K).
 extern "C" __global__ void qgather_f32(const uint32_t* __restrict__ ids, const uint8_t* __restrict__ w,
                                        const void* __restrict__ scales, const void* __restrict__ biases,
