@@ -33,6 +33,9 @@ use super::qwen3::{CudaStep, Linear, Qwen3, Weight};
 
 const STEP_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/step.ptx"));
 const STEP_MODULE: &str = "bot_step";
+/// Blocks a head's keys are split over in decode attention (32 heads alone fill a quarter of
+/// an H100's SMs).
+const ATT_SPLITS: usize = 4;
 const QMATMUL_KERNELS: [&str; 9] = [
     "qmv_f32",
     "qmv4_m1_r2",
@@ -145,6 +148,9 @@ struct Buffers {
     /// A prompt matmul's input as `x_to_f16p` writes it, and its rows' scales.
     xh: CudaSlice<u16>,
     rs: CudaSlice<f32>,
+    /// Decode attention's per-split partials (max, sum, head_dim values) and per-head counters.
+    att_ws: CudaSlice<f32>,
+    att_cnt: CudaSlice<u32>,
     logits: CudaSlice<f32>,
     ids: CudaSlice<u32>,
 }
@@ -879,7 +885,7 @@ impl FusedQwen3 {
                 self.launch_as(
                     "attention (+ q/k norm, RoPE, cache write)",
                     attention_decode,
-                    (d.nh, 1),
+                    (d.nh, ATT_SPLITS),
                     256,
                     0,
                     &[
@@ -896,6 +902,8 @@ impl FusedQwen3 {
                         Arg::I(d.nkv as i32),
                         Arg::F(scale),
                         Arg::F(d.eps),
+                        Arg::P(ptr(&b.att_ws, st)),
+                        Arg::P(ptr(&b.att_cnt, st)),
                     ],
                 )?;
             } else {
@@ -1120,6 +1128,8 @@ impl Buffers {
             ws: z(d.split_workspace(rows).max(1))?,
             xh: dev.alloc_zeros::<u16>(rows * d.h.max(d.inter).max(d.nh * d.hd))?,
             rs: z(rows)?,
+            att_ws: z(d.nh * ATT_SPLITS * (d.hd + 2))?,
+            att_cnt: dev.alloc_zeros::<u32>(d.nh)?,
             logits: z(d.vocab)?,
             ids: dev.alloc_zeros::<u32>(rows)?,
         })

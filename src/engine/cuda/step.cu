@@ -104,13 +104,18 @@ extern "C" __global__ void qk_norm_rope_cache(float* __restrict__ qkv, const flo
 // it norms and rotates its q and the new k of its KV head (threads 0..127 and 128..255), takes
 // the new k and v from shared memory for the last position, and the first query head of each KV
 // group writes them to the cache for later steps (nobody reads them from there in this one).
+// The keys are split over gridDim.y blocks a head (32 heads alone would leave most of the SMs
+// idle): each writes its running max, sum and unnormalized values to `ws`, and the last block
+// of the head to finish (a counter it resets, so a replayed graph finds it at zero) merges
+// them in split order, which keeps the result deterministic.
 template <int HD, bool DECODE>
 __device__ __forceinline__ void attention(const float* __restrict__ qkv, const float* __restrict__ kc,
                           const float* __restrict__ vc, float* __restrict__ out,
                           const int* __restrict__ pos, int nh, int nkv, float scale,
                           const float* __restrict__ qnw, const float* __restrict__ knw,
                           float* __restrict__ kw, float* __restrict__ vw,
-                          const float* __restrict__ cos_t, const float* __restrict__ sin_t, float eps) {
+                          const float* __restrict__ cos_t, const float* __restrict__ sin_t, float eps,
+                          float* __restrict__ ws, unsigned int* __restrict__ cnt) {
     constexpr int DPL = HD / 32;
     __shared__ __align__(16) float qs[HD];
     __shared__ __align__(16) float kn[DECODE ? HD : 1];
@@ -118,9 +123,13 @@ __device__ __forceinline__ void attention(const float* __restrict__ qkv, const f
     __shared__ float red[ATT_WARPS];
     __shared__ float wm[ATT_WARPS], wl[ATT_WARPS];
     __shared__ float wacc[ATT_WARPS][HD];
-    const int h = blockIdx.x, m = blockIdx.y;
+    const int h = blockIdx.x, m = DECODE ? 0 : blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int keys = pos[0] + m + 1;
+    // this block's keys: [kb, ke), whole 32-key chunks except at the end
+    const int S = DECODE ? gridDim.y : 1, z = DECODE ? blockIdx.y : 0;
+    const int per = (keys + 32 * S - 1) / (32 * S) * 32;
+    const int kb = z * per, ke = min(keys, kb + per);
     const int kvh = h / (nh / nkv);
     const float* row = qkv + (size_t)m * (nh + 2 * nkv) * HD;
     if (DECODE) {
@@ -150,7 +159,7 @@ __device__ __forceinline__ void attention(const float* __restrict__ qkv, const f
         }
         for (int i = threadIdx.x; i < HD; i += blockDim.x) vn[i] = row[(size_t)(nh + nkv + kvh) * HD + i];
         __syncthreads();
-        if (h % (nh / nkv) == 0)
+        if (h % (nh / nkv) == 0 && z == 0)
             for (int i = threadIdx.x; i < HD; i += blockDim.x) {
                 kw[((size_t)p * nkv + kvh) * HD + i] = kn[i];
                 vw[((size_t)p * nkv + kvh) * HD + i] = vn[i];
@@ -165,10 +174,10 @@ __device__ __forceinline__ void attention(const float* __restrict__ qkv, const f
 #pragma unroll
     for (int d = 0; d < DPL; d++) acc[d] = 0.f;
     float mx = -INFINITY, l = 0.f;
-    for (int j0 = warp * 32; j0 < keys; j0 += ATT_WARPS * 32) {
+    for (int j0 = kb + warp * 32; j0 < ke; j0 += ATT_WARPS * 32) {
         const int j = j0 + lane;
         float s = -INFINITY;
-        if (j < keys) {
+        if (j < ke) {
             // a lane reads its key row in batches of 16 float4, all in flight before any FMA:
             // the chunk costs a few memory round trips rather than one per load
             const float4* kr = DECODE && j == keys - 1 ? (const float4*)kn
@@ -189,16 +198,16 @@ __device__ __forceinline__ void attention(const float* __restrict__ qkv, const f
             }
             s = d0 + d1;
         }
-        // lane 0's key exists (j0 < keys), so the new max is finite
+        // lane 0's key exists (j0 < ke), so the new max is finite
         const float nm = fmaxf(mx, warp_max(s));
-        const float e = j < keys ? expf(s - nm) : 0.f;
+        const float e = j < ke ? expf(s - nm) : 0.f;
         const float corr = expf(mx - nm);
         l = l * corr + warp_sum(e);
 #pragma unroll
         for (int d = 0; d < DPL; d++) acc[d] *= corr;
         const float* vbase = vc + ((size_t)j0 * nkv + kvh) * HD + lane;
         const size_t vstride = (size_t)nkv * HD;
-        if (j0 + 32 <= keys) {
+        if (j0 + 32 <= ke) {
             // values in batches of 16 keys (DPL floats each), loaded before they are used
             constexpr int VB = DPL <= 4 ? 16 : 8;
 #pragma unroll
@@ -218,8 +227,8 @@ __device__ __forceinline__ void attention(const float* __restrict__ qkv, const f
                 }
             }
         } else {
-            const int cnt = keys - j0;
-            for (int jj = 0; jj < cnt; jj++) {
+            const int nk = ke - j0;
+            for (int jj = 0; jj < nk; jj++) {
                 const float pj = __shfl_sync(0xffffffffu, e, jj);
 #pragma unroll
                 for (int d = 0; d < DPL; d++)
@@ -238,16 +247,58 @@ __device__ __forceinline__ void attention(const float* __restrict__ qkv, const f
     float gm = -INFINITY;
 #pragma unroll
     for (int w = 0; w < ATT_WARPS; w++) gm = fmaxf(gm, wm[w]);
-    float tl = 0.f;
+    // idle warps (and a split with no keys at all) weigh 0
+    float f[ATT_WARPS], tl = 0.f;
 #pragma unroll
-    for (int w = 0; w < ATT_WARPS; w++) tl += wl[w] * expf(wm[w] - gm);  // idle warps: 0 * 0
+    for (int w = 0; w < ATT_WARPS; w++) {
+        f[w] = wm[w] == -INFINITY ? 0.f : expf(wm[w] - gm);
+        tl += wl[w] * f[w];
+    }
     float* o = out + (size_t)m * nh * HD + (size_t)h * HD;
+    if (S == 1) {
+        for (int i = threadIdx.x; i < HD; i += blockDim.x) {
+            float v = 0.f;
+#pragma unroll
+            for (int w = 0; w < ATT_WARPS; w++) v += wacc[w][i] * f[w];
+            o[i] = v / tl;
+        }
+        return;
+    }
+    float* pw = ws + ((size_t)h * S + z) * (HD + 2);
     for (int i = threadIdx.x; i < HD; i += blockDim.x) {
         float v = 0.f;
 #pragma unroll
-        for (int w = 0; w < ATT_WARPS; w++) v += wacc[w][i] * expf(wm[w] - gm);
-        o[i] = v / tl;
+        for (int w = 0; w < ATT_WARPS; w++) v += wacc[w][i] * f[w];
+        pw[2 + i] = v;
     }
+    if (threadIdx.x == 0) {
+        pw[0] = gm;
+        pw[1] = tl;
+    }
+    __threadfence();
+    __syncthreads();
+    __shared__ bool last;
+    if (threadIdx.x == 0) last = atomicAdd(&cnt[h], 1u) == (unsigned int)(S - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // split 0 always has keys, so M is finite; the partials bypass L1 (other SMs wrote them)
+    const float* ph = ws + (size_t)h * S * (HD + 2);
+    float M = -INFINITY, L = 0.f;
+    for (int zz = 0; zz < S; zz++) M = fmaxf(M, __ldcg(ph + zz * (HD + 2)));
+    for (int zz = 0; zz < S; zz++) {
+        const float mz = __ldcg(ph + zz * (HD + 2));
+        L += __ldcg(ph + zz * (HD + 2) + 1) * (mz == -INFINITY ? 0.f : expf(mz - M));
+    }
+    for (int i = threadIdx.x; i < HD; i += blockDim.x) {
+        float v = 0.f;
+        for (int zz = 0; zz < S; zz++) {
+            const float mz = __ldcg(ph + zz * (HD + 2));
+            v += __ldcg(ph + zz * (HD + 2) + 2 + i) * (mz == -INFINITY ? 0.f : expf(mz - M));
+        }
+        o[i] = v / L;
+    }
+    if (threadIdx.x == 0) cnt[h] = 0u;
 }
 
 #define ATTENTION(HD)                                                                              \
@@ -255,14 +306,14 @@ __device__ __forceinline__ void attention(const float* __restrict__ qkv, const f
         const float* qkv, const float* kc, const float* vc, float* out, const int* pos, int nh,   \
         int nkv, float scale) {                                                                    \
         attention<HD, false>(qkv, kc, vc, out, pos, nh, nkv, scale, nullptr, nullptr, nullptr,    \
-                             nullptr, nullptr, nullptr, 0.f);                                      \
+                             nullptr, nullptr, nullptr, 0.f, nullptr, nullptr);                   \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, 1) attention_decode_hd##HD(      \
         const float* qkv, const float* qnw, const float* knw, float* kc, float* vc,                \
         const float* cos_t, const float* sin_t, float* out, const int* pos, int nh, int nkv,       \
-        float scale, float eps) {                                                                  \
+        float scale, float eps, float* ws, unsigned int* cnt) {                                    \
         attention<HD, true>(qkv, kc, vc, out, pos, nh, nkv, scale, qnw, knw, kc, vc, cos_t, sin_t, \
-                            eps);                                                                  \
+                            eps, ws, cnt);                                                         \
     }
 ATTENTION(32)
 ATTENTION(64)
