@@ -338,9 +338,11 @@ fn out_shape(l: &Layout, n: usize) -> Shape {
     Shape::from(out)
 }
 
-/// Dynamic shared memory of `qmv4_m1_r*` for rows of `k` codes (x staged, padded to 1024).
+/// Dynamic shared memory of `qmv4_m1_r*` for rows of `k` codes (x staged, padded to 1024,
+/// and a sum per 32 codes).
 pub(crate) fn qmv4_smem(k: usize) -> usize {
-    k.next_multiple_of(1024) * 4
+    let k = k.next_multiple_of(1024);
+    k * 4 + k / 32 * 4
 }
 
 /// Rows `ids (L,)` of the table, dequantized: `(L, cols)` f32.

@@ -106,6 +106,7 @@ __device__ void qmv4(const float* __restrict__ x, const uint8_t* __restrict__ w,
                      int N, int K, int group_size, int sdtype, const float* __restrict__ norm_w,
                      float eps, const Epi& e) {
     extern __shared__ float4 xsm[];
+    float* xsums = (float*)(xsm + (K + 1023) / 1024 * 256);
     __shared__ float part[32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
     const int row0 = (blockIdx.x * nw + warp) * ROWS;
@@ -116,29 +117,43 @@ __device__ void qmv4(const float* __restrict__ x, const uint8_t* __restrict__ w,
     for (int r = 0; r < ROWS; r++)
         wv[r] = row0 + r < N && lane * 32 < K ? *(const uint4*)(w + (size_t)(row0 + r) * rb + lane * 16)
                                               : make_uint4(0u, 0u, 0u, 0u);
+    // x is staged once, in one pass: times the norm's weight, pre-divided by 16^j for the
+    // nibble position it meets, with the sum of each lane-step's 32 values beside it; the
+    // norm's row scale multiplies the finished dot products
     const float4* x4 = (const float4*)x;
+    const float4* g4 = (const float4*)norm_w;
     float ss = 0.f;
-    for (int c = tid; c < K / 4; c += blockDim.x) {
-        const float4 v = x4[c];
-        ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
-        xsm[q4_slot(c)] = v;
+    for (int base = 0; base < K / 4; base += blockDim.x) {
+        const int c = base + tid;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (c < K / 4) {
+            v = x4[c];
+            ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
+            if (norm_w) {
+                const float4 g = g4[c];
+                v = make_float4(v.x * g.x, v.y * g.y, v.z * g.z, v.w * g.w);
+            }
+            xsm[q4_slot(c)] = make_float4(v.x, v.y * (1.f / 16.f), v.z * (1.f / 256.f), v.w * (1.f / 4096.f));
+        }
+        // a lane-step's 8 float4 are 8 consecutive threads
+        float sum = (v.x + v.y) + (v.z + v.w);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+        if (c < K / 4 && (c & 7) == 0) xsums[c >> 3] = sum;
     }
+    float rn = 1.f;
     if (norm_w) {
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
         if (lane == 0) part[warp] = ss;
-        __syncthreads();
-        float t = 0.f;
-        for (int i = 0; i < nw; i++) t += part[i];
-        const float rn = rsqrtf(t / (float)K + eps);
-        const float4* g4 = (const float4*)norm_w;
-        for (int c = tid; c < K / 4; c += blockDim.x) {
-            // the thread rewrites the slot it wrote above
-            const float4 v = xsm[q4_slot(c)], g = g4[c];
-            xsm[q4_slot(c)] = make_float4(v.x * rn * g.x, v.y * rn * g.y, v.z * rn * g.z, v.w * rn * g.w);
-        }
     }
     __syncthreads();
+    if (norm_w) {
+        float t = 0.f;
+        for (int i = 0; i < nw; i++) t += part[i];
+        rn = rsqrtf(t / (float)K + eps);
+    }
     if (row0 >= N) return;
 
     const int groups = K / group_size;
@@ -154,16 +169,15 @@ __device__ void qmv4(const float* __restrict__ x, const uint8_t* __restrict__ w,
             nv[r] = row0 + r < N && kn < K ? *(const uint4*)(w + (size_t)(row0 + r) * rb + kn / 2)
                                            : make_uint4(0u, 0u, 0u, 0u);
         float xs[32];
-        float xsum = 0.f;
+        const float xsum = xsums[k / 32];
         const float4* xb = xsm + (k & ~1023) / 4 + lane;
 #pragma unroll
         for (int j = 0; j < 8; j++) {
             const float4 v = xb[32 * j];
-            xsum += (v.x + v.y) + (v.z + v.w);
             xs[4 * j] = v.x;
-            xs[4 * j + 1] = v.y * (1.f / 16.f);
-            xs[4 * j + 2] = v.z * (1.f / 256.f);
-            xs[4 * j + 3] = v.w * (1.f / 4096.f);
+            xs[4 * j + 1] = v.y;
+            xs[4 * j + 2] = v.z;
+            xs[4 * j + 3] = v.w;
         }
 #pragma unroll
         for (int r = 0; r < ROWS; r++) {
@@ -196,7 +210,7 @@ __device__ void qmv4(const float* __restrict__ x, const uint8_t* __restrict__ w,
         float v = acc[r];
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        out[r] = row0 + r < N ? epilogue(v, 0, row0 + r, N, e) : 0.f;
+        out[r] = row0 + r < N ? epilogue(v * rn, 0, row0 + r, N, e) : 0.f;
     }
     if (e.swiglu) {
 #pragma unroll
