@@ -15,6 +15,9 @@
 // qmm_tf32_sk splits K over blocks when N/64 tiles alone would leave most SMs idle (a 64-token
 // prompt against a 4096-wide matrix is 64 blocks for 132 SMs); qmm_reduce adds the splits.
 //
+// qmm4_f16 (prefill at 4 bits, bf16/f16 scales) replaces qmm_tf32 there: fp16 mma.sync with the
+// codes dequantized straight into MMA fragments; see its comment. qmm_tf32 serves other widths.
+//
 // qmv4_m1 (decode at 4 bits, one row of x) is the fast path of qmv; see its comment.
 // qmv, qmv4_m1 and qmm apply an epilogue (LoRA term, residual) to each output: see common.cuh.
 //
@@ -80,12 +83,12 @@ extern "C" __global__ void qmv_f32(const float* __restrict__ x, const uint8_t* _
 
 // qmv4_m1_r2/_r4 (decode, one row of x, 4-bit): each warp computes 2 or 4 output rows, a lane
 // taking 32 codes (one 16-byte load) of each row per step, so every x value a lane holds serves
-// every row of the warp. The block first stages x in shared memory (RMS-normalized with `norm_w` if given, as
-// rms_norm_f32 computes it, which saves the norm's own launch), in an order where lane L's 32
-// values of a step are float4 slots L, L+32, ..., L+224: reads are then free of bank conflicts.
+// every row of the warp. The block first stages x in shared memory (RMS-normalized with `norm_w`
+// if given, which saves the norm's own launch), in an order where lane L's 32 values of a step
+// are float4 slots L, L+32, ..., L+224: reads are then free of bank conflicts.
 // Codes become floats without integer conversion (quarter-rate on sm_90): a nibble masked in
 // place, OR-ed into the mantissa of 2^23, minus 2^23, is 16^j * q exactly for nibble j of a
-// 16-bit half, so x is pre-divided by 16^j once per step (as MLX's qmv_fast does).
+// 16-bit half, so x is staged pre-divided by 16^j (as MLX's qmv_fast divides it per step).
 
 __device__ __forceinline__ float nib(unsigned int v, unsigned int mask) {
     return __uint_as_float((v & mask) | 0x4B000000u) - 8388608.f;
@@ -98,8 +101,9 @@ __device__ __forceinline__ int q4_slot(int c) {
 }
 
 // ROWS rows per warp. Grid: ceil(N / (ROWS * warps)) blocks of 32 * warps threads (warps <= 32);
-// dynamic shared memory: K rounded up to 1024, times 4 bytes. With e.swiglu the rows come in
-// (gate, up) pairs and y receives silu(gate) * up, one value per pair.
+// dynamic shared memory: K rounded up to 1024, times 4 bytes, plus 4 bytes per 32 codes (the
+// sums). With e.swiglu the rows come in (gate, up) pairs and y receives silu(gate) * up, one
+// value per pair.
 template <int ROWS>
 __device__ void qmv4(const float* __restrict__ x, const uint8_t* __restrict__ w,
                      const void* __restrict__ scales, const void* __restrict__ biases, float* y,
