@@ -679,20 +679,6 @@ impl FusedQwen3 {
             let grid = (p.n.div_ceil(rows_w * warps), 1);
             return self.launch_as(tag, f, grid, 32 * warps, qmv4_smem(p.k), &a);
         }
-        let a = [
-            Arg::P(x),
-            Arg::P(w),
-            Arg::P(s),
-            Arg::P(b),
-            Arg::P(y),
-            Arg::I(rows as i32),
-            Arg::I(n),
-            Arg::I(k),
-            Arg::I(bits),
-            Arg::I(gs),
-            Arg::I(sd),
-            Arg::E(epi),
-        ];
         let q = QParams {
             m: rows as i32,
             n,
@@ -742,23 +728,22 @@ impl FusedQwen3 {
             if splits == 1 {
                 return Ok(());
             }
-            let red = [
-                Arg::P(ws),
-                Arg::P(y),
-                Arg::I(rows as i32),
-                Arg::I(n),
-                Arg::I(splits as i32),
-                Arg::E(epi),
-            ];
-            return self.launch_as(
-                tag,
-                "qmm_reduce",
-                ((rows * p.n).div_ceil(256), 1),
-                256,
-                0,
-                &red,
-            );
+            return self.reduce_splits(tag, rows, p.n, splits, y, epi);
         }
+        let a = [
+            Arg::P(x),
+            Arg::P(w),
+            Arg::P(s),
+            Arg::P(b),
+            Arg::P(y),
+            Arg::I(rows as i32),
+            Arg::I(n),
+            Arg::I(k),
+            Arg::I(bits),
+            Arg::I(gs),
+            Arg::I(sd),
+            Arg::E(epi),
+        ];
         let splits = qmm_splits(p.n, rows, p.k);
         if rows <= 8 || self.exact {
             self.launch_as(tag, "qmv_f32", (p.n.div_ceil(8), 1), 256, 0, &a)
@@ -780,22 +765,7 @@ impl FusedQwen3 {
                 Arg::I(splits as i32),
             ];
             self.launch_as(tag, "qmm_tf32_sk", grid, 128, 0, &sk)?;
-            let red = [
-                Arg::P(ws),
-                Arg::P(y),
-                Arg::I(rows as i32),
-                Arg::I(n),
-                Arg::I(splits as i32),
-                Arg::E(epi),
-            ];
-            self.launch_as(
-                tag,
-                "qmm_reduce",
-                ((rows * p.n).div_ceil(256), 1),
-                256,
-                0,
-                &red,
-            )
+            self.reduce_splits(tag, rows, p.n, splits, y, epi)
         } else {
             self.launch_as(
                 tag,
@@ -806,6 +776,28 @@ impl FusedQwen3 {
                 &a,
             )
         }
+    }
+
+    /// `y (rows, n) = epilogue(sum of the split-K partials in ws)`: `qmm_reduce`.
+    fn reduce_splits(
+        &self,
+        tag: &'static str,
+        rows: usize,
+        n: usize,
+        splits: usize,
+        y: u64,
+        epi: Epi,
+    ) -> Result<()> {
+        let red = [
+            Arg::P(ptr(&self.bufs.ws, &self.stream)),
+            Arg::P(y),
+            Arg::I(rows as i32),
+            Arg::I(n as i32),
+            Arg::I(splits as i32),
+            Arg::E(epi),
+        ];
+        let grid = ((rows * n).div_ceil(256), 1);
+        self.launch_as(tag, "qmm_reduce", grid, 256, 0, &red)
     }
 
     fn rms_norm(&self, src: u64, w: &CudaSlice<f32>, dst: u64, rows: usize) -> Result<()> {

@@ -306,12 +306,13 @@ const QMM4_TARGET_BLOCKS: usize = 264;
 /// K splits for `qmm4_f16` over `m` rows against an `n` x `k` matrix: doubled until the grid
 /// reaches the target, each split a multiple of 128 codes and at least 512 long.
 pub(crate) fn qmm4_splits(n: usize, m: usize, k: usize) -> usize {
-    let blocks = n.div_ceil(128) * m.div_ceil(64);
-    let mut s = 1;
-    while blocks * s < QMM4_TARGET_BLOCKS && k % (2 * s * 128) == 0 && k / (2 * s) >= 512 {
-        s *= 2;
-    }
-    s
+    k_splits(
+        n.div_ceil(128) * m.div_ceil(64),
+        k,
+        128,
+        512,
+        QMM4_TARGET_BLOCKS,
+    )
 }
 
 /// Prompt matmuls split K until they launch this many 64x64-tile blocks (about four per SM
@@ -321,9 +322,20 @@ const QMM_TARGET_BLOCKS: usize = 528;
 /// K splits for a prompt matmul (`qmm_tf32_sk`) of `m` rows against an `n` x `k` matrix; 1 = no
 /// split. Each split is a multiple of the kernel's 32-code K step.
 pub(crate) fn qmm_splits(n: usize, m: usize, k: usize) -> usize {
-    let blocks = n.div_ceil(64) * m.div_ceil(64);
+    k_splits(
+        n.div_ceil(64) * m.div_ceil(64),
+        k,
+        32,
+        256,
+        QMM_TARGET_BLOCKS,
+    )
+}
+
+/// Splits of K for a grid of `blocks` tiles: doubled while the grid is under `target` and each
+/// split stays a multiple of the kernel's `step` codes and at least `min_len` long.
+fn k_splits(blocks: usize, k: usize, step: usize, min_len: usize, target: usize) -> usize {
     let mut s = 1;
-    while blocks * s < QMM_TARGET_BLOCKS && k % (2 * s * 32) == 0 && k / (2 * s) >= 256 {
+    while blocks * s < target && k % (2 * s * step) == 0 && k / (2 * s) >= min_len {
         s *= 2;
     }
     s
