@@ -35,6 +35,8 @@ fn main() {
         .map(|c| c.trim().trim_start_matches("sm_").replace('.', ""))
         .filter(|c| !c.is_empty())
         .unwrap_or_else(|| "80".into());
+    // the host launches kernels with programmatic dependent launch only where the PTX has it
+    println!("cargo:rustc-env=BOT_CUDA_ARCH={cap}");
     for name in ["qmatmul", "step"] {
         let src = format!("src/engine/cuda/{name}.cu");
         let status = Command::new(&nvcc)

@@ -4,10 +4,14 @@
 //! weights with the input RMSNorm inside; attention with the q/k norms, RoPE and cache write
 //! inside; o with the residual add; gate|up (rows interleaved) with the norm inside and SwiGLU
 //! as its epilogue; down with the residual add. LoRA B products ride in the matmuls' epilogues.
-//! The step is captured once as a CUDA graph and replayed for every token. Prompts take the
-//! fp16 tensor-core matmul at 4 bits (TF32 at other widths; their input converted by
-//! `x_to_f16p`) and separate norm, RoPE and SwiGLU kernels. The numerics are those of
-//! `qwen3.rs` (mlx_lm's Qwen3), which stays the reference and the path of the other devices.
+//! The fast mode's decode matmuls round x to 16-bit integers (`qmv4q`, as the CPU's fast
+//! kernel does; the exact mode's stay fp32), with no more blocks than fit on the GPU at once.
+//! On sm_90 every kernel is launched with programmatic dependent launch, so it starts while its
+//! predecessor ends (attention fetches its cache rows meanwhile). The step is captured once as
+//! a CUDA graph and replayed for every token. Prompts take the fp16 tensor-core matmul at 4
+//! bits (TF32 at other widths; their input converted by `x_to_f16p`) and separate norm, RoPE
+//! and SwiGLU kernels. The numerics are those of `qwen3.rs` (mlx_lm's Qwen3), which stays the
+//! reference and the path of the other devices.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -26,8 +30,8 @@ use super::metal_plan::QParams;
 use super::profile::KernelTime;
 use super::quant::{CpuKernel, QMatrix};
 use super::quant_cuda::{
-    f16_prompt_kernel, qmm4_splits, qmm_splits, qmv4_smem, resident, Epi, GpuQMatrix,
-    MODULE as QMODULE, PTX as QPTX,
+    f16_prompt_kernel, qmm4_splits, qmm_splits, qmv4_block, qmv4_grid, qmv4_kernel, qmv4_smem,
+    qmv4q_smem, resident, Epi, GpuQMatrix, MODULE as QMODULE, PTX as QPTX,
 };
 use super::qwen3::{CudaStep, Linear, Qwen3, Weight};
 
@@ -36,10 +40,12 @@ const STEP_MODULE: &str = "bot_step";
 /// Blocks a head's keys are split over in decode attention (32 heads alone fill a quarter of
 /// an H100's SMs).
 const ATT_SPLITS: usize = 4;
-const QMATMUL_KERNELS: [&str; 9] = [
+const QMATMUL_KERNELS: [&str; 11] = [
     "qmv_f32",
     "qmv4_m1_r2",
     "qmv4_m1_r4",
+    "qmv4q_m1_r2",
+    "qmv4q_m1_r4",
     "qmm4_f16",
     "x_to_f16p",
     "qmm_tf32",
@@ -73,6 +79,17 @@ struct Proj {
     lora: Option<ProjLora>,
     /// Rows of the parts alternate (gate_0, up_0, gate_1, ...) rather than follow each other.
     interleaved: bool,
+    /// The decode kernel's launch (4-bit weights only).
+    decode: DecodeShape,
+}
+
+/// How the decode kernel runs on a `Proj`: `qmv4_block`'s shape, `qmv4_grid`'s blocks.
+#[derive(Clone, Copy, Default)]
+struct DecodeShape {
+    f: &'static str,
+    grid: usize,
+    threads: usize,
+    smem: usize,
 }
 
 /// LoRA of a `Proj`: `at` (rtot, k) holds each part's A transposed, rank-padded to `r`; `bt`
@@ -181,6 +198,8 @@ pub struct FusedQwen3 {
     embed: Proj,
     head: Proj,
     exact: bool,
+    /// Kernels are launched with programmatic dependent launch (see `pdl_available`).
+    pdl: bool,
     max_rtot: usize,
     bufs: Buffers,
     cache: Cache,
@@ -189,6 +208,16 @@ pub struct FusedQwen3 {
     graph: Option<CudaGraph>,
     /// While profiling: an event pair around every launch (which then runs eagerly).
     profile: Option<RefCell<Vec<(&'static str, CudaEvent, CudaEvent)>>>,
+}
+
+/// Programmatic dependent launch needs sm_90 on both sides: a GPU of compute capability 9.0 or
+/// newer, and PTX built for it (`build.rs`; older PTX has no `griddepcontrol`, so its kernels
+/// would not wait). `BOT_CUDA_PDL=0` turns it off, for comparisons.
+fn pdl_available(dev: &CudaDevice) -> Result<bool> {
+    let built: u32 = env!("BOT_CUDA_ARCH").parse().unwrap_or(0);
+    let (major, _) = dev.cuda_stream().context().compute_capability().w()?;
+    let off = std::env::var("BOT_CUDA_PDL").is_ok_and(|v| v == "0");
+    Ok(built >= 90 && major >= 9 && !off)
 }
 
 fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
@@ -335,20 +364,54 @@ impl FusedQwen3 {
             .map(|q| q.cols)
             .max()
             .unwrap_or(0);
-        let smem = qmv4_smem(widest.max(d.h));
-        {
-            for name in QMATMUL_KERNELS.iter().filter(|f| f.starts_with("qmv4")) {
-                if let Some(f) = funcs.get(name) {
-                    f.set_attribute(
-                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        smem as i32,
-                    )
-                    .w()?;
-                }
+        let widest = widest.max(d.h);
+        for name in QMATMUL_KERNELS.iter().filter(|f| f.starts_with("qmv4")) {
+            let smem = if name.starts_with("qmv4q") {
+                qmv4q_smem(widest)
+            } else {
+                qmv4_smem(widest)
+            };
+            if let Some(f) = funcs.get(name) {
+                f.set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .w()?;
             }
         }
+        let pdl = pdl_available(dev)?;
+        let sms = dev
+            .cuda_stream()
+            .context()
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .w()? as usize;
+        let shape = |p: &mut Proj| -> Result<()> {
+            if p.bits != 4 {
+                return Ok(());
+            }
+            let (rows_w, warps) = qmv4_block(p.n);
+            let (f, smem) = qmv4_kernel(kernel, rows_w, p.k);
+            let func = funcs
+                .get(f)
+                .ok_or_else(|| EngineError::Invalid(format!("kernel {f} not loaded")))?;
+            let passes = p.n.div_ceil(rows_w * warps);
+            let grid = qmv4_grid(func, passes, 32 * warps, smem, sms)?;
+            p.decode = DecodeShape {
+                f,
+                grid,
+                threads: 32 * warps,
+                smem,
+            };
+            Ok(())
+        };
         let embed = one(m.embed_weight())?;
-        let head = one(&m.lm_head_linear().weight)?;
+        let mut head = one(&m.lm_head_linear().weight)?;
+        for l in layers.iter_mut() {
+            for p in [&mut l.qkv, &mut l.o, &mut l.gu, &mut l.down] {
+                shape(p)?;
+            }
+        }
+        shape(&mut head)?;
         let bufs = Buffers::new(dev, &d, 1, max_rtot)?;
         let cache = Cache::new(dev, &d, c.num_hidden_layers, 256)?;
         Ok(FusedQwen3 {
@@ -361,6 +424,7 @@ impl FusedQwen3 {
             embed,
             head,
             exact: kernel == CpuKernel::Exact,
+            pdl,
             max_rtot,
             bufs,
             cache,
@@ -551,6 +615,9 @@ impl FusedQwen3 {
             .funcs
             .get(f)
             .ok_or_else(|| EngineError::Invalid(format!("kernel {f} not loaded")))?;
+        if self.pdl && self.profile.is_none() {
+            return self.launch_pdl(func, grid, block, smem, args);
+        }
         let mut b = self.stream.launch_builder(func);
         for a in args {
             match a {
@@ -583,6 +650,62 @@ impl FusedQwen3 {
                 .w()?;
             rec.borrow_mut().push((tag, start, end));
         }
+        Ok(())
+    }
+
+    /// `launch_grid` through `cuLaunchKernelEx` with programmatic stream serialization: the
+    /// kernel may start while the previous one still runs and waits for it in `pdl_wait()`
+    /// (`cuda/common.cuh`). Stream capture records this as a programmatic graph edge.
+    fn launch_pdl(
+        &self,
+        func: &CudaFunction,
+        grid: (usize, usize, usize),
+        block: usize,
+        smem: usize,
+        args: &[Arg],
+    ) -> Result<()> {
+        let mut params: Vec<*mut std::ffi::c_void> = args
+            .iter()
+            .map(|a| match a {
+                Arg::P(v) => v as *const u64 as *mut std::ffi::c_void,
+                Arg::I(v) => v as *const i32 as *mut std::ffi::c_void,
+                Arg::F(v) => v as *const f32 as *mut std::ffi::c_void,
+                Arg::E(v) => v as *const Epi as *mut std::ffi::c_void,
+            })
+            .collect();
+        // SAFETY: a zeroed attribute value is valid (all fields are plain integers)
+        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+        value.programmaticStreamSerializationAllowed = 1;
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value,
+        };
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0 as u32,
+            gridDimY: grid.1 as u32,
+            gridDimZ: grid.2 as u32,
+            blockDimX: block as u32,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem as u32,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        self.stream.context().bind_to_thread().w()?;
+        // SAFETY: `params` points at one value per parameter of the kernel's C signature, in
+        // order (each call site's contract, as for `launch_grid`), alive for the call.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &cfg,
+                func.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .w()?;
         Ok(())
     }
 
@@ -669,15 +792,8 @@ impl FusedQwen3 {
                 Arg::F(self.d.eps),
                 Arg::E(epi),
             ];
-            // Small matrices take two rows a warp (more warps in flight), large ones four (x
-            // reused more) and eight warps a block (x staged half as often).
-            let (f, rows_w, warps) = match p.n {
-                n if n >= 16384 => ("qmv4_m1_r4", 4, 8),
-                n if n >= 6144 => ("qmv4_m1_r4", 4, 4),
-                _ => ("qmv4_m1_r2", 2, 4),
-            };
-            let grid = (p.n.div_ceil(rows_w * warps), 1);
-            return self.launch_as(tag, f, grid, 32 * warps, qmv4_smem(p.k), &a);
+            let s = p.decode;
+            return self.launch_as(tag, s.f, (s.grid, 1), s.threads, s.smem, &a);
         }
         let q = QParams {
             m: rows as i32,
@@ -995,6 +1111,7 @@ impl Proj {
             sdtype: q.scales.kernel_code(),
             lora: None,
             interleaved: false,
+            decode: DecodeShape::default(),
         })
     }
 

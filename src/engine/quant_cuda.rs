@@ -1,13 +1,16 @@
 //! CUDA forward of the fused quantized matmul and the quantized embedding gather: each
 //! `QMatrix` is uploaded once, as stored (packed codes, raw scales and biases), and the kernels
 //! of `cuda/qmatmul.cu` (PTX built by `build.rs`) run on it. Few rows of x take the fp32 `qmv`
-//! kernel; many rows take a tensor-core kernel unless the exact kernel is asked for: fp16
+//! kernel (one row at 4 bits: `qmv4`, or `qmv4q` with x rounded to 16-bit integers in the fast
+//! mode); many rows take a tensor-core kernel unless the exact kernel is asked for: fp16
 //! `qmm4_f16` at 4 bits, TF32 `qmm_tf32` at other widths.
 
 use std::sync::{Arc, OnceLock};
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{sys, CudaSlice, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    sys, CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, CudaStorage, Layout, Shape};
 
@@ -89,6 +92,56 @@ fn f32_input<'a>(
     Ok(x.slice(o0..o1))
 }
 
+/// The decode kernel on one row of x: four warps a block, two rows a warp where N is odd (so
+/// the kernel tests reach both instances of each kernel), and a block per pass of rows unless
+/// `grid` caps the blocks (each then takes several passes, as in the fused step).
+fn qmv4_fwd(
+    dev: &CudaDevice,
+    w: &QMatrix,
+    g: &GpuQMatrix,
+    kernel: CpuKernel,
+    x: &CudaView<'_, f32>,
+    grid: Option<usize>,
+) -> candle_core::Result<CudaSlice<f32>> {
+    let (n, k) = (w.rows, w.cols);
+    let p = QParams::new(w, 1);
+    let rows = if n % 4 == 0 { 4 } else { 2 };
+    let (name, smem) = qmv4_kernel(kernel, rows, k);
+    let func = dev
+        .get_or_load_custom_func(name, MODULE, PTX)?
+        .into_cuda_function();
+    func.set_attribute(
+        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .w()?;
+    // SAFETY: every element is written by the kernel below.
+    let y = unsafe { dev.alloc::<f32>(n)? };
+    let stream = dev.cuda_stream();
+    let mut b = stream.launch_builder(&func);
+    b.arg(x);
+    b.arg(&g.packed);
+    b.arg(&g.scales);
+    b.arg(&g.biases);
+    b.arg(&y);
+    let (no_norm, eps, epi) = (0u64, 0f32, Epi::default());
+    for d in [&p.n, &p.k, &p.group_size, &p.sdtype] {
+        b.arg(d);
+    }
+    b.arg(&no_norm);
+    b.arg(&eps);
+    b.arg(&epi);
+    let passes = n.div_ceil(rows * 4);
+    let cfg = LaunchConfig {
+        grid_dim: (grid.map_or(passes, |g| g.min(passes)) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    // SAFETY: the arguments match qmv4(q)_m1_r*'s signature; x holds k floats, y n.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(y)
+}
+
 /// `x (..., cols) -> (..., rows)` on the GPU.
 pub fn qmatmul_fwd(
     w: &QMatrix,
@@ -101,52 +154,16 @@ pub fn qmatmul_fwd(
     let x = f32_input(w, s, l)?;
     let m = x.len() / k;
     let g = resident(w, dev)?;
-    // SAFETY: every element is written by the kernel below.
-    let y = unsafe { dev.alloc::<f32>(m * n)? };
-    let p = QParams::new(w, m);
     if m == 1 && w.params.bits == 4 {
-        // the decode kernel of the fused step (two rows a warp where N is odd, so the kernel
-        // tests reach both instances)
-        let (name, rows) = if n % 4 == 0 {
-            ("qmv4_m1_r4", 4)
-        } else {
-            ("qmv4_m1_r2", 2)
-        };
-        let func = dev
-            .get_or_load_custom_func(name, MODULE, PTX)?
-            .into_cuda_function();
-        let smem = qmv4_smem(k);
-        func.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .w()?;
-        let stream = dev.cuda_stream();
-        let mut b = stream.launch_builder(&func);
-        b.arg(&x);
-        b.arg(&g.packed);
-        b.arg(&g.scales);
-        b.arg(&g.biases);
-        b.arg(&y);
-        let (no_norm, eps, epi) = (0u64, 0f32, Epi::default());
-        for d in [&p.n, &p.k, &p.group_size, &p.sdtype] {
-            b.arg(d);
-        }
-        b.arg(&no_norm);
-        b.arg(&eps);
-        b.arg(&epi);
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(rows * 4) as u32, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: smem as u32,
-        };
-        // SAFETY: the arguments match qmv4_m1_r*'s signature; x holds k floats, y n.
-        unsafe { b.launch(cfg) }.w()?;
+        let y = qmv4_fwd(dev, w, &g, kernel, &x, None)?;
         return Ok((
             CudaStorage::wrap_cuda_slice(y, dev.clone()),
             out_shape(l, n),
         ));
     }
+    // SAFETY: every element is written by the kernel below.
+    let y = unsafe { dev.alloc::<f32>(m * n)? };
+    let p = QParams::new(w, m);
     if m > QMV_MAX_ROWS && kernel != CpuKernel::Exact && f16_prompt_kernel(&p) {
         let splits = qmm4_splits(n, m, k);
         // SAFETY: x_to_f16p writes all m * k halves and m row scales; qmm4_f16 writes every
@@ -350,11 +367,59 @@ fn out_shape(l: &Layout, n: usize) -> Shape {
     Shape::from(out)
 }
 
-/// Dynamic shared memory of `qmv4_m1_r*` for rows of `k` codes (x staged, padded to 1024,
-/// and a sum per 32 codes).
+/// Dynamic shared memory of `qmv4_m1_r*` for rows of `k` codes (x staged as f32, padded to
+/// 1024, and a sum per 32 codes).
 pub(crate) fn qmv4_smem(k: usize) -> usize {
     let k = k.next_multiple_of(1024);
     k * 4 + k / 32 * 4
+}
+
+/// Dynamic shared memory of `qmv4q_m1_r*`: x staged as int16, and a scale and a sum per 32.
+pub(crate) fn qmv4q_smem(k: usize) -> usize {
+    let k = k.next_multiple_of(1024);
+    k * 2 + k / 32 * 8
+}
+
+/// Rows a warp and warps a block of the decode kernel for a matrix of `n` rows, as measured on
+/// an H100 with Qwen3-8B's shapes (docs/performance.md, session 7): two rows a warp and 16
+/// warps, eight warps for q|k|v-sized matrices, four rows and eight warps for vocabulary heads.
+pub(crate) fn qmv4_block(n: usize) -> (usize, usize) {
+    match n {
+        n if n >= 65536 => (4, 8),
+        n if (6144..16384).contains(&n) => (2, 8),
+        _ => (2, 16),
+    }
+}
+
+/// The decode kernel's grid for `passes` passes of rows: a block per pass, but no more than fit
+/// on the GPU at once (`sms` multiprocessors). Each block stages x once, so a block that takes
+/// several passes saves the staging a second wave of blocks would repeat.
+pub(crate) fn qmv4_grid(
+    f: &CudaFunction,
+    passes: usize,
+    threads: usize,
+    smem: usize,
+    sms: usize,
+) -> candle_core::Result<usize> {
+    let per_sm = f
+        .occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem, None)
+        .w()? as usize;
+    Ok(passes.min((per_sm * sms).max(1)))
+}
+
+/// The decode kernel at 4 bits and its dynamic shared memory: fp32 x for the exact kernel,
+/// 16-bit integer x (`dp2a`) for the fast one.
+pub(crate) fn qmv4_kernel(
+    kernel: CpuKernel,
+    rows_per_warp: usize,
+    k: usize,
+) -> (&'static str, usize) {
+    match (kernel, rows_per_warp) {
+        (CpuKernel::Exact, 4) => ("qmv4_m1_r4", qmv4_smem(k)),
+        (CpuKernel::Exact, _) => ("qmv4_m1_r2", qmv4_smem(k)),
+        (_, 4) => ("qmv4q_m1_r4", qmv4q_smem(k)),
+        _ => ("qmv4q_m1_r2", qmv4q_smem(k)),
+    }
 }
 
 /// Rows `ids (L,)` of the table, dequantized: `(L, cols)` f32.
@@ -481,6 +546,67 @@ mod tests {
             );
             let e = rel_err(&got, &want);
             assert!(e <= 3e-3, "amp {amp}: rel err {e:.2e}");
+        }
+    }
+
+    /// The fast decode kernel rounds x to 16-bit integers with one scale per 32 values: a
+    /// group of zeros, a lone outlier, and amplitudes far from 1 still give the reference's
+    /// result.
+    #[test]
+    fn int16_decode_kernel_survives_zeros_outliers_and_scale() {
+        let dev = Device::new_cuda(0).expect("a `cuda` build's tests need a GPU");
+        let w = Arc::new(random_qmatrix(300, 2048, 4, 64, Dtype::BF16, 13));
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        for amp in [3e5f32, 1e-7, 1.0] {
+            let mut x: Vec<f32> = (0..2048).map(|_| rng.random_range(-amp..amp)).collect();
+            x[32..64].iter_mut().for_each(|v| *v = 0.0);
+            x[1000] = amp * 1e3;
+            let want = w.matmul_reference(&x, 1);
+            let xt = Tensor::from_vec(x, (1, 2048), &dev).unwrap();
+            let got: Vec<f32> = qmatmul(&xt, &w, CpuKernel::Fast)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            assert!(
+                got.iter().all(|v| v.is_finite()),
+                "amp {amp}: non-finite output"
+            );
+            let e = rel_err(&got, &want);
+            assert!(e <= 3e-3, "amp {amp}: rel err {e:.2e}");
+        }
+    }
+
+    /// The fused step launches no more decode blocks than fit on the GPU, so each block takes
+    /// several passes of rows and loads its next pass's first step while it finishes the
+    /// current one. With 1, 3 and 7 blocks, on 19 and 38 passes whose last one only some warps
+    /// fill, both decode kernels still give the reference's result.
+    #[test]
+    fn decode_kernels_with_fewer_blocks_than_passes() {
+        let dev = Device::new_cuda(0).expect("a `cuda` build's tests need a GPU");
+        let Device::Cuda(cd) = &dev else {
+            unreachable!("a CUDA device")
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        // 300 rows: 4 a warp, 16 a pass; 298: 2 a warp, 8 a pass
+        for (rows, cols) in [(300, 2048), (298, 1024)] {
+            let w = random_qmatrix(rows, cols, 4, 64, Dtype::BF16, 17);
+            let g = resident(&w, cd).unwrap();
+            let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1f32..1.0)).collect();
+            let want = w.matmul_reference(&x, 1);
+            let xs = cd.clone_htod(&x).unwrap();
+            for (kernel, tol) in [(CpuKernel::Exact, 1e-5), (CpuKernel::Fast, 3e-3)] {
+                for grid in [1, 3, 7] {
+                    let y = qmv4_fwd(cd, &w, &g, kernel, &xs.slice(..), Some(grid)).unwrap();
+                    let got = cd.clone_dtoh(&y).unwrap();
+                    let e = rel_err(&got, &want);
+                    assert!(
+                        e <= tol,
+                        "{rows}x{cols} {kernel:?} grid {grid}: rel err {e:.2e} > {tol:.0e}"
+                    );
+                }
+            }
         }
     }
 

@@ -5,6 +5,35 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+// Programmatic dependent launch (sm_90 and newer): the fused step launches each kernel allowed
+// to start while its predecessor still runs (`cuda_fused.rs`), so a kernel's launch and its
+// first weight loads overlap the previous kernel's tail. Before `pdl_wait()` a kernel may only
+// read what no kernel writes (weights); after it, everything earlier kernels wrote is visible
+// and nothing they read is still being read. Every kernel calls `pdl_wait()` in every block
+// (a grid's completion then implies its predecessor's). Launched without the attribute, or
+// built for an older architecture, both are no-ops.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// Asks L2 for the 128-byte line holding p, without waiting for it: what a kernel will read and
+// no earlier kernel writes can be fetched before `pdl_wait()`, while the previous kernel runs.
+__device__ __forceinline__ void prefetch_line(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+// The entry of a kernel with nothing to do before its inputs are ready.
+#define PDL_ENTRY() \
+    do {            \
+        pdl_trigger(); \
+        pdl_wait();    \
+    } while (0)
+
 __device__ __forceinline__ float load_param(const void* p, int i, int dtype) {
     if (dtype == 0) {
         // bf16 is the top half of an f32

@@ -18,7 +18,9 @@
 // qmm4_f16 (prefill at 4 bits, bf16/f16 scales) replaces qmm_tf32 there: fp16 mma.sync with the
 // codes dequantized straight into MMA fragments; see its comment. qmm_tf32 serves other widths.
 //
-// qmv4_m1 (decode at 4 bits, one row of x) is the fast path of qmv; see its comment.
+// qmv4_m1 (decode at 4 bits, one row of x) is the fast path of qmv, fp32 throughout, and the
+// exact mode's; qmv4q_m1 is the fast mode's, with x rounded to 16-bit integers and dp2a dot
+// products. See their comments.
 // qmv, qmv4_m1 and qmm apply an epilogue (LoRA term, residual) to each output: see common.cuh.
 //
 // Scales and biases arrive raw, in the file's dtype: 0 = bf16, 1 = f16, 2 = f32.
@@ -36,6 +38,7 @@ extern "C" __global__ void qmv_f32(const float* __restrict__ x, const uint8_t* _
                                    const void* __restrict__ scales, const void* __restrict__ biases,
                                    float* y, int M, int N, int K, int bits,
                                    int group_size, int sdtype, Epi e) {
+    PDL_ENTRY();
     const int lane = threadIdx.x & 31;
     const int n = blockIdx.x * QMV_WARPS + (threadIdx.x >> 5);
     if (n >= N) return;
@@ -100,8 +103,37 @@ __device__ __forceinline__ int q4_slot(int c) {
     return (c & ~255) + (w & 7) * 32 + (w >> 3);
 }
 
-// ROWS rows per warp. Grid: ceil(N / (ROWS * warps)) blocks of 32 * warps threads (warps <= 32);
-// dynamic shared memory: K rounded up to 1024, times 4 bytes, plus 4 bytes per 32 codes (the
+// A warp's ROWS partial sums, reduced over the lanes, scaled by the norm's `rn`, through the
+// epilogue (and SwiGLU over (gate, up) pairs) into y.
+template <int ROWS>
+__device__ __forceinline__ void qmv4_finish(const float* acc, float rn, int row0, int lane, int N,
+                                            float* y, const Epi& e) {
+    float out[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        float v = acc[r];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        out[r] = row0 + r < N ? epilogue(v * rn, 0, row0 + r, N, e) : 0.f;
+    }
+    if (e.swiglu) {
+#pragma unroll
+        for (int r = 0; r < ROWS; r += 2)
+            if (lane == r && row0 + r < N) {
+                const float g = out[r];
+                y[(row0 + r) / 2] = g / (1.f + expf(-g)) * out[r + 1];
+            }
+    } else {
+#pragma unroll
+        for (int r = 0; r < ROWS; r++)
+            if (lane == r && row0 + r < N) y[row0 + r] = out[r];
+    }
+}
+
+// ROWS rows per warp; a block's warps cover a pass of ROWS * warps rows. Grid: up to one block a
+// pass, 32 * warps threads (warps <= 32); with fewer blocks each takes several passes (it then
+// stages x once for all of them, and loads its next pass's first step while finishing one).
+// Dynamic shared memory: K rounded up to 1024, times 4 bytes, plus 4 bytes per 32 codes (the
 // sums). With e.swiglu the rows come in (gate, up) pairs and y receives silu(gate) * up, one
 // value per pair.
 template <int ROWS>
@@ -113,14 +145,19 @@ __device__ void qmv4(const float* __restrict__ x, const uint8_t* __restrict__ w,
     float* xsums = (float*)(xsm + (K + 1023) / 1024 * 256);
     __shared__ float part[32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
-    const int row0 = (blockIdx.x * nw + warp) * ROWS;
+    // a block may take several passes of nw * ROWS rows (the grid strides), staging x once
+    const int rpb = nw * ROWS, passes = (N + rpb - 1) / rpb;
     const size_t rb = (size_t)K / 2;
     // the first step's weights are requested before x is staged, to overlap the two
     uint4 wv[ROWS];
+    {
+        const int row0 = blockIdx.x * rpb + warp * ROWS;
 #pragma unroll
-    for (int r = 0; r < ROWS; r++)
-        wv[r] = row0 + r < N && lane * 32 < K ? *(const uint4*)(w + (size_t)(row0 + r) * rb + lane * 16)
-                                              : make_uint4(0u, 0u, 0u, 0u);
+        for (int r = 0; r < ROWS; r++)
+            wv[r] = row0 + r < N && lane * 32 < K ? *(const uint4*)(w + (size_t)(row0 + r) * rb + lane * 16)
+                                                  : make_uint4(0u, 0u, 0u, 0u);
+    }
+    pdl_wait();
     // x is staged once, in one pass: times the norm's weight, pre-divided by 16^j for the
     // nibble position it meets, with the sum of each lane-step's 32 values beside it; the
     // norm's row scale multiplies the finished dot products
@@ -158,75 +195,200 @@ __device__ void qmv4(const float* __restrict__ x, const uint8_t* __restrict__ w,
         for (int i = 0; i < nw; i++) t += part[i];
         rn = rsqrtf(t / (float)K + eps);
     }
-    if (row0 >= N) return;
-
     const int groups = K / group_size;
-    float acc[ROWS];
+    for (int pass = blockIdx.x; pass < passes; pass += gridDim.x) {
+        const int row0 = pass * rpb + warp * ROWS;
+        float acc[ROWS];
 #pragma unroll
-    for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
-    for (int k = lane * 32; k < K; k += 32 * 32) {
-        // next step's weights in flight while this one is computed
-        uint4 nv[ROWS];
-        const int kn = k + 32 * 32;
+        for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
+        for (int k = lane * 32; k < K; k += 32 * 32) {
+            // the next step's weights in flight while this one is computed: past the row's end,
+            // the first step of the block's next pass
+            uint4 nv[ROWS];
+            const bool wrap = k + 32 * 32 >= K;
+            const int nr = wrap ? row0 + gridDim.x * rpb : row0, kn = wrap ? lane * 32 : k + 32 * 32;
+#pragma unroll
+            for (int r = 0; r < ROWS; r++)
+                nv[r] = nr + r < N ? *(const uint4*)(w + (size_t)(nr + r) * rb + kn / 2)
+                                   : make_uint4(0u, 0u, 0u, 0u);
+            float xs[32];
+            const float xsum = xsums[k / 32];
+            const float4* xb = xsm + (k & ~1023) / 4 + lane;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const float4 v = xb[32 * j];
+                xs[4 * j] = v.x;
+                xs[4 * j + 1] = v.y;
+                xs[4 * j + 2] = v.z;
+                xs[4 * j + 3] = v.w;
+            }
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                const unsigned int wd[4] = {wv[r].x, wv[r].y, wv[r].z, wv[r].w};
+                float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    const unsigned int lo = wd[u], hi = wd[u] >> 16;
+                    const float* xu = xs + 8 * u;
+                    p0 = fmaf(nib(lo, 0x000Fu), xu[0], p0);
+                    p0 = fmaf(nib(lo, 0x00F0u), xu[1], p0);
+                    p0 = fmaf(nib(lo, 0x0F00u), xu[2], p0);
+                    p0 = fmaf(nib(lo, 0xF000u), xu[3], p0);
+                    p1 = fmaf(nib(hi, 0x000Fu), xu[4], p1);
+                    p1 = fmaf(nib(hi, 0x00F0u), xu[5], p1);
+                    p1 = fmaf(nib(hi, 0x0F00u), xu[6], p1);
+                    p1 = fmaf(nib(hi, 0xF000u), xu[7], p1);
+                }
+                const int n = min(row0 + r, N - 1);
+                const int g = n * groups + k / group_size;
+                const float s = load_param(scales, g, sdtype);
+                const float b = load_param(biases, g, sdtype);
+                acc[r] = fmaf(s, p0 + p1, fmaf(b, xsum, acc[r]));
+                wv[r] = nv[r];
+            }
+        }
+        qmv4_finish<ROWS>(acc, rn, row0, lane, N, y, e);
+    }
+}
+
+// qmv4q_m1_r2/_r4 (decode at 4 bits, the fast kernel): qmv4's rows, grid and weight loads, but x
+// is staged as 16-bit integers, one scale per lane-step of 32 values (its largest |x| becomes
+// 32767, as the CPU's fast kernel rounds x), and the codes meet x in `dp2a` instructions: two
+// 16x8-bit products and their sum in one instruction, where the fp32 kernel spends three per
+// code (ncu: that kernel is issue bound on an H100, not DRAM bound). Per lane-step and row:
+// s * sx * sum(q * xi) + b * sum(x), the integer sum exact (|sum| < 32 * 15 * 32767 < 2^24, so
+// its float is too). Staged layout: the 32 values of lane-step t (1024-code chunk t / 32) are
+// four uint4, one per 8 codes, at uint4 index (t / 32) * 128 + u * 32 + t % 32, so a warp's
+// reads are conflict-free; each holds the int16 pairs (x0,x2) (x4,x6) (x1,x3) (x5,x7) of its 8
+// codes, the order in which a word's low and high nibbles meet them. Then (sx, sum x) per
+// lane-step, a float2.
+template <int ROWS>
+__device__ void qmv4q(const float* __restrict__ x, const uint8_t* __restrict__ w,
+                      const void* __restrict__ scales, const void* __restrict__ biases, float* y,
+                      int N, int K, int group_size, int sdtype, const float* __restrict__ norm_w,
+                      float eps, const Epi& e) {
+    extern __shared__ uint4 xq[];
+    float2* xsc = (float2*)(xq + (K + 1023) / 1024 * 128);
+    __shared__ float part[32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+    // a block may cover several passes of nw * ROWS rows (grid-stride): x is staged once
+    const int rpb = nw * ROWS, passes = (N + rpb - 1) / rpb;
+    const size_t rb = (size_t)K / 2;
+    uint4 wv[ROWS];
+    {
+        const int row0 = blockIdx.x * rpb + warp * ROWS;
 #pragma unroll
         for (int r = 0; r < ROWS; r++)
-            nv[r] = row0 + r < N && kn < K ? *(const uint4*)(w + (size_t)(row0 + r) * rb + kn / 2)
-                                           : make_uint4(0u, 0u, 0u, 0u);
-        float xs[32];
-        const float xsum = xsums[k / 32];
-        const float4* xb = xsm + (k & ~1023) / 4 + lane;
+            wv[r] = row0 + r < N && lane * 32 < K ? *(const uint4*)(w + (size_t)(row0 + r) * rb + lane * 16)
+                                                  : make_uint4(0u, 0u, 0u, 0u);
+    }
+    pdl_wait();
+    // a thread stages 8 values (a unit); a lane-step's 32 are 4 consecutive threads. Two units
+    // a thread are loaded before either is used, halving the round trips to L2.
+    const float4* x4 = (const float4*)x;
+    const float4* g4 = (const float4*)norm_w;
+    float ss = 0.f;
+    for (int base = 0; base < K / 8; base += 2 * blockDim.x) {
+        float v[2][8];
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-            const float4 v = xb[32 * j];
-            xs[4 * j] = v.x;
-            xs[4 * j + 1] = v.y;
-            xs[4 * j + 2] = v.z;
-            xs[4 * j + 3] = v.w;
+        for (int h = 0; h < 2; h++) {
+            const int c = base + h * blockDim.x + tid;
+#pragma unroll
+            for (int i = 0; i < 8; i++) v[h][i] = 0.f;
+            if (c < K / 8) {
+                const float4 a = x4[2 * c], b = x4[2 * c + 1];
+                v[h][0] = a.x, v[h][1] = a.y, v[h][2] = a.z, v[h][3] = a.w;
+                v[h][4] = b.x, v[h][5] = b.y, v[h][6] = b.z, v[h][7] = b.w;
+                if (norm_w) {
+                    const float4 ga = g4[2 * c], gb = g4[2 * c + 1];
+                    ss = fmaf(a.x, a.x, fmaf(a.y, a.y, fmaf(a.z, a.z, fmaf(a.w, a.w, ss))));
+                    ss = fmaf(b.x, b.x, fmaf(b.y, b.y, fmaf(b.z, b.z, fmaf(b.w, b.w, ss))));
+                    v[h][0] *= ga.x, v[h][1] *= ga.y, v[h][2] *= ga.z, v[h][3] *= ga.w;
+                    v[h][4] *= gb.x, v[h][5] *= gb.y, v[h][6] *= gb.z, v[h][7] *= gb.w;
+                }
+            }
         }
 #pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            const unsigned int wd[4] = {wv[r].x, wv[r].y, wv[r].z, wv[r].w};
-            float p0 = 0.f, p1 = 0.f;
+        for (int h = 0; h < 2; h++) {
+            const int c = base + h * blockDim.x + tid;
+            float m = 0.f, sum = 0.f;
 #pragma unroll
-            for (int u = 0; u < 4; u++) {
-                const unsigned int lo = wd[u], hi = wd[u] >> 16;
-                const float* xu = xs + 8 * u;
-                p0 = fmaf(nib(lo, 0x000Fu), xu[0], p0);
-                p0 = fmaf(nib(lo, 0x00F0u), xu[1], p0);
-                p0 = fmaf(nib(lo, 0x0F00u), xu[2], p0);
-                p0 = fmaf(nib(lo, 0xF000u), xu[3], p0);
-                p1 = fmaf(nib(hi, 0x000Fu), xu[4], p1);
-                p1 = fmaf(nib(hi, 0x00F0u), xu[5], p1);
-                p1 = fmaf(nib(hi, 0x0F00u), xu[6], p1);
-                p1 = fmaf(nib(hi, 0xF000u), xu[7], p1);
+            for (int i = 0; i < 8; i++) {
+                m = fmaxf(m, fabsf(v[h][i]));
+                sum += v[h][i];
             }
-            const int n = min(row0 + r, N - 1);
-            const int g = n * groups + k / group_size;
-            const float s = load_param(scales, g, sdtype);
-            const float b = load_param(biases, g, sdtype);
-            acc[r] = fmaf(s, p0 + p1, fmaf(b, xsum, acc[r]));
-            wv[r] = nv[r];
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            if (c < K / 8) {
+                const float inv = m > 0.f ? 32767.f / m : 0.f;
+                // adding 1.5 * 2^23 rounds to the nearest integer, which then sits in the low
+                // mantissa bits: as two's complement in the low 16, since |v * inv| <= 32767
+                unsigned int q[8];
+#pragma unroll
+                for (int i = 0; i < 8; i++) q[i] = __float_as_uint(fmaf(v[h][i], inv, 12582912.f));
+                const int t = c >> 2, u = c & 3;
+                xq[(t >> 5) * 128 + u * 32 + (t & 31)] =
+                    make_uint4(__byte_perm(q[0], q[2], 0x5410), __byte_perm(q[4], q[6], 0x5410),
+                               __byte_perm(q[1], q[3], 0x5410), __byte_perm(q[5], q[7], 0x5410));
+                if (u == 0) xsc[t] = make_float2(m * (1.f / 32767.f), sum);
+            }
         }
     }
-    float out[ROWS];
+    float rn = 1.f;
+    if (norm_w) {
 #pragma unroll
-    for (int r = 0; r < ROWS; r++) {
-        float v = acc[r];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        out[r] = row0 + r < N ? epilogue(v * rn, 0, row0 + r, N, e) : 0.f;
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) part[warp] = ss;
     }
-    if (e.swiglu) {
+    __syncthreads();
+    if (norm_w) {
+        float t = 0.f;
+        for (int i = 0; i < nw; i++) t += part[i];
+        rn = rsqrtf(t / (float)K + eps);
+    }
+    const int groups = K / group_size;
+    for (int pass = blockIdx.x; pass < passes; pass += gridDim.x) {
+        const int row0 = pass * rpb + warp * ROWS;
+        float acc[ROWS];
 #pragma unroll
-        for (int r = 0; r < ROWS; r += 2)
-            if (lane == r && row0 + r < N) {
-                const float g = out[r];
-                y[(row0 + r) / 2] = g / (1.f + expf(-g)) * out[r + 1];
+        for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
+        for (int k = lane * 32; k < K; k += 32 * 32) {
+            // the next step's weights in flight while this one is computed: past the row's end,
+            // the first step of the block's next pass
+            uint4 nv[ROWS];
+            const bool wrap = k + 32 * 32 >= K;
+            const int nr = wrap ? row0 + gridDim.x * rpb : row0, kn = wrap ? lane * 32 : k + 32 * 32;
+#pragma unroll
+            for (int r = 0; r < ROWS; r++)
+                nv[r] = nr + r < N ? *(const uint4*)(w + (size_t)(nr + r) * rb + kn / 2)
+                                   : make_uint4(0u, 0u, 0u, 0u);
+            const uint4* xb = xq + (k >> 10) * 128 + lane;
+            const uint4 xw[4] = {xb[0], xb[32], xb[64], xb[96]};
+            const float2 sc = xsc[k / 32];
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                const unsigned int wd[4] = {wv[r].x, wv[r].y, wv[r].z, wv[r].w};
+                int d = 0;
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    // bytes of `lo`: codes 0, 2, 4, 6 of the word; of `hi`: 1, 3, 5, 7
+                    const int lo = (int)(wd[u] & 0x0F0F0F0Fu), hi = (int)((wd[u] >> 4) & 0x0F0F0F0Fu);
+                    d = __dp2a_lo((int)xw[u].x, lo, d);
+                    d = __dp2a_hi((int)xw[u].y, lo, d);
+                    d = __dp2a_lo((int)xw[u].z, hi, d);
+                    d = __dp2a_hi((int)xw[u].w, hi, d);
+                }
+                const int n = min(row0 + r, N - 1);
+                const int g = n * groups + k / group_size;
+                const float s = load_param(scales, g, sdtype);
+                const float b = load_param(biases, g, sdtype);
+                acc[r] = fmaf(s * sc.x, (float)d, fmaf(b, sc.y, acc[r]));
+                wv[r] = nv[r];
             }
-    } else {
-#pragma unroll
-        for (int r = 0; r < ROWS; r++)
-            if (lane == r && row0 + r < N) y[row0 + r] = out[r];
+        }
+        qmv4_finish<ROWS>(acc, rn, row0, lane, N, y, e);
     }
 }
 
@@ -236,6 +398,12 @@ __device__ void qmv4(const float* __restrict__ x, const uint8_t* __restrict__ w,
                                             int group_size, int sdtype, const float* norm_w,      \
                                             float eps, Epi e) {                                   \
         qmv4<R>(x, w, scales, biases, y, N, K, group_size, sdtype, norm_w, eps, e);               \
+    }                                                                                             \
+    extern "C" __global__ void qmv4q_m1_r##R(const float* x, const uint8_t* w,                    \
+                                             const void* scales, const void* biases, float* y,    \
+                                             int N, int K, int group_size, int sdtype,            \
+                                             const float* norm_w, float eps, Epi e) {             \
+        qmv4q<R>(x, w, scales, biases, y, N, K, group_size, sdtype, norm_w, eps, e);              \
     }
 QMV4(2)
 QMV4(4)
@@ -348,6 +516,7 @@ extern "C" __global__ void qmm_tf32(const float* __restrict__ x, const uint8_t* 
                                     const void* __restrict__ scales, const void* __restrict__ biases,
                                     float* y, int M, int N, int K, int bits,
                                     int group_size, int sdtype, Epi e) {
+    PDL_ENTRY();
     qmm_tile(x, w, scales, biases, y, M, N, K, bits, group_size, sdtype, e, blockIdx.y * QMM_BM,
              blockIdx.x * QMM_BN, 0, K, nullptr);
 }
@@ -358,6 +527,7 @@ extern "C" __global__ void qmm_tf32_sk(const float* __restrict__ x, const uint8_
                                        const void* __restrict__ scales,
                                        const void* __restrict__ biases, float* ws, int M, int N,
                                        int K, int bits, int group_size, int sdtype, int splits) {
+    PDL_ENTRY();
     const int mb = (M + QMM_BM - 1) / QMM_BM;
     const int z = blockIdx.y / mb, kc = K / splits;
     const Epi none = {nullptr, nullptr, nullptr, 0, 0, 0, 0, 0, 0};
@@ -369,6 +539,7 @@ extern "C" __global__ void qmm_tf32_sk(const float* __restrict__ x, const uint8_
 // y = epilogue(sum of the splits' partials), in split order (deterministic). 256 threads.
 extern "C" __global__ void qmm_reduce(const float* __restrict__ ws, float* y, int M, int N,
                                       int splits, Epi e) {
+    PDL_ENTRY();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x, mn = (size_t)M * N;
     if (i >= mn) return;
     float v = 0.f;
@@ -423,6 +594,7 @@ extern "C" __global__ void __launch_bounds__(128) qmm4_f16(
     const __half* __restrict__ xh, const float* __restrict__ rs, const uint8_t* __restrict__ w,
     const void* __restrict__ scales, const void* __restrict__ biases, float* y, float* ws, int M,
     int N, int K, int group_size, int sdtype, int splits, Epi e) {
+    PDL_ENTRY();
     __shared__ __align__(16) unsigned char xs[2][Q16_BM * Q16_RS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -546,6 +718,7 @@ extern "C" __global__ void __launch_bounds__(128) qmm4_f16(
 // Grid: M blocks of 256 threads; K % 8 == 0.
 extern "C" __global__ void x_to_f16p(const float* __restrict__ x, __half* __restrict__ xh,
                                      float* __restrict__ rs, int K) {
+    PDL_ENTRY();
     __shared__ float part[8];
     const int m = blockIdx.x, tid = threadIdx.x;
     const float4* xr = (const float4*)(x + (size_t)m * K);
@@ -585,6 +758,7 @@ extern "C" __global__ void qgather_f32(const uint32_t* __restrict__ ids, const u
                                        const void* __restrict__ scales, const void* __restrict__ biases,
                                        float* __restrict__ out, int K, int bits, int group_size,
                                        int sdtype) {
+    PDL_ENTRY();
     const int l = blockIdx.y;
     const int k = (blockIdx.x * blockDim.x + threadIdx.x) * 16;
     if (k >= K) return;

@@ -9,6 +9,7 @@
 // cache of a layer is (capacity, n_kv, head_dim); cos/sin tables are (capacity, head_dim / 2).
 
 #include <stdint.h>
+#include "common.cuh"
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -39,6 +40,7 @@ __device__ float block_sum(float v) {
 // unrolled so that a thread's few loads of a row are in flight together.
 extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
                                         float* __restrict__ out, int H, float eps) {
+    PDL_ENTRY();
     const float4* xr = (const float4*)(x + (size_t)blockIdx.x * H);
     const float4* w4 = (const float4*)w;
     float4* o = (float4*)(out + (size_t)blockIdx.x * H);
@@ -64,6 +66,7 @@ extern "C" __global__ void qk_norm_rope_cache(float* __restrict__ qkv, const flo
                                               float* __restrict__ vc, const float* __restrict__ cos_t,
                                               const float* __restrict__ sin_t, const int* __restrict__ pos,
                                               int nh, int nkv, int hd, float eps) {
+    PDL_ENTRY();
     const int h = blockIdx.x, m = blockIdx.y, t = threadIdx.x, half = hd / 2;
     const int p = pos[0] + m;
     float* row = qkv + (size_t)m * (nh + 2 * nkv) * hd;
@@ -133,6 +136,21 @@ __device__ __forceinline__ void attention(const float* __restrict__ qkv, const f
     const int kvh = h / (nh / nkv);
     const float* row = qkv + (size_t)m * (nh + 2 * nkv) * HD;
     if (DECODE) {
+        // the cache rows this block reads (earlier steps wrote them) and the RoPE row do not
+        // depend on the kernels before this one (`pos` is the host's): L2 fetches them while
+        // the q|k|v matmul still runs
+        constexpr int LPR = HD / 32;  // 128-byte lines a row
+        for (int i = threadIdx.x; i < (ke - kb) * LPR; i += blockDim.x) {
+            const size_t off = ((size_t)(kb + i / LPR) * nkv + kvh) * HD + (i % LPR) * 32;
+            prefetch_line(kc + off);
+            prefetch_line(vc + off);
+        }
+        if (threadIdx.x < (LPR + 1) / 2) {
+            const size_t off = (size_t)(keys - 1) * (HD / 2) + threadIdx.x * 32;
+            prefetch_line(cos_t + off);
+            prefetch_line(sin_t + off);
+        }
+        pdl_wait();
         constexpr int half = HD / 2;
         const int p = keys - 1, t = threadIdx.x & 127;
         const bool is_k = threadIdx.x >= 128, on = t < half;
@@ -302,16 +320,18 @@ __device__ __forceinline__ void attention(const float* __restrict__ qkv, const f
 }
 
 #define ATTENTION(HD)                                                                              \
-    extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, 1) attention_f32_hd##HD(         \
-        const float* qkv, const float* kc, const float* vc, float* out, const int* pos, int nh,   \
+    extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, 1) attention_f32_hd##HD(          \
+        const float* qkv, const float* kc, const float* vc, float* out, const int* pos, int nh,    \
         int nkv, float scale) {                                                                    \
-        attention<HD, false>(qkv, kc, vc, out, pos, nh, nkv, scale, nullptr, nullptr, nullptr,    \
-                             nullptr, nullptr, nullptr, 0.f, nullptr, nullptr);                   \
+        PDL_ENTRY();                                                                               \
+        attention<HD, false>(qkv, kc, vc, out, pos, nh, nkv, scale, nullptr, nullptr, nullptr,     \
+                             nullptr, nullptr, nullptr, 0.f, nullptr, nullptr);                    \
     }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, 1) attention_decode_hd##HD(      \
+    extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, 1) attention_decode_hd##HD(       \
         const float* qkv, const float* qnw, const float* knw, float* kc, float* vc,                \
         const float* cos_t, const float* sin_t, float* out, const int* pos, int nh, int nkv,       \
         float scale, float eps, float* ws, unsigned int* cnt) {                                    \
+        pdl_trigger();                                                                             \
         attention<HD, true>(qkv, kc, vc, out, pos, nh, nkv, scale, qnw, knw, kc, vc, cos_t, sin_t, \
                             eps, ws, cnt);                                                         \
     }
@@ -323,6 +343,7 @@ ATTENTION(256)
 // act (M, I) = silu(gate) * up, from gu rows of interleaved (gate, up) pairs.
 extern "C" __global__ void swiglu_f32(const float* __restrict__ gu, float* __restrict__ act, int I,
                                       int total) {
+    PDL_ENTRY();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= total) return;
     const int m = i / I, c = i % I;
@@ -337,6 +358,7 @@ extern "C" __global__ void swiglu_f32(const float* __restrict__ gu, float* __res
 extern "C" __global__ void lora_a_f32(const float* __restrict__ x, const float* __restrict__ at,
                                       float* __restrict__ t, int K, int R,
                                       const float* __restrict__ norm_w, float eps) {
+    PDL_ENTRY();
     __shared__ float ps[8], pss[8];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int j = blockIdx.x, m = blockIdx.y;
