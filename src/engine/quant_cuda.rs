@@ -480,6 +480,31 @@ mod tests {
             / scale
     }
 
+    /// `x (m, cols) @ W^T` through the fast GPU kernels: finite, and within 3e-3 of the
+    /// reference.
+    fn assert_fast_kernel_matches(
+        dev: &Device,
+        w: &Arc<QMatrix>,
+        x: Vec<f32>,
+        m: usize,
+        label: &str,
+    ) {
+        let want = w.matmul_reference(&x, m);
+        let xt = Tensor::from_vec(x, (m, w.cols), dev).unwrap();
+        let got: Vec<f32> = qmatmul(&xt, w, CpuKernel::Fast)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert!(
+            got.iter().all(|v| v.is_finite()),
+            "{label}: non-finite output"
+        );
+        let e = rel_err(&got, &want);
+        assert!(e <= 3e-3, "{label}: rel err {e:.2e}");
+    }
+
     #[test]
     fn qmatmul_kernels_match_the_reference_on_the_gpu() {
         let dev = Device::new_cuda(0).expect("a `cuda` build's tests need a GPU");
@@ -532,20 +557,7 @@ mod tests {
             let mut x: Vec<f32> = (0..m * 1024).map(|_| rng.random_range(-amp..amp)).collect();
             x[5] = 0.0;
             x[1024..2048].iter_mut().for_each(|v| *v = 0.0); // an all-zero row
-            let want = w.matmul_reference(&x, m);
-            let xt = Tensor::from_vec(x, (m, 1024), &dev).unwrap();
-            let got: Vec<f32> = qmatmul(&xt, &w, CpuKernel::Fast)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            assert!(
-                got.iter().all(|v| v.is_finite()),
-                "amp {amp}: non-finite output"
-            );
-            let e = rel_err(&got, &want);
-            assert!(e <= 3e-3, "amp {amp}: rel err {e:.2e}");
+            assert_fast_kernel_matches(&dev, &w, x, m, &format!("amp {amp}"));
         }
     }
 
@@ -561,20 +573,7 @@ mod tests {
             let mut x: Vec<f32> = (0..2048).map(|_| rng.random_range(-amp..amp)).collect();
             x[32..64].iter_mut().for_each(|v| *v = 0.0);
             x[1000] = amp * 1e3;
-            let want = w.matmul_reference(&x, 1);
-            let xt = Tensor::from_vec(x, (1, 2048), &dev).unwrap();
-            let got: Vec<f32> = qmatmul(&xt, &w, CpuKernel::Fast)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            assert!(
-                got.iter().all(|v| v.is_finite()),
-                "amp {amp}: non-finite output"
-            );
-            let e = rel_err(&got, &want);
-            assert!(e <= 3e-3, "amp {amp}: rel err {e:.2e}");
+            assert_fast_kernel_matches(&dev, &w, x, 1, &format!("amp {amp}"));
         }
     }
 

@@ -130,6 +130,27 @@ __device__ __forceinline__ void qmv4_finish(const float* acc, float rn, int row0
     }
 }
 
+// One step's weights of a warp's ROWS rows: 32 codes (16 bytes) of each, from code k; zeros
+// past the matrix.
+template <int ROWS>
+__device__ __forceinline__ void qmv4_load(uint4* v, const uint8_t* __restrict__ w, int row, int k,
+                                          int N, int K) {
+#pragma unroll
+    for (int r = 0; r < ROWS; r++)
+        v[r] = row + r < N && k < K ? *(const uint4*)(w + (size_t)(row + r) * (K / 2) + k / 2)
+                                    : make_uint4(0u, 0u, 0u, 0u);
+}
+
+// The step after (row, k) in a warp's walk: 1024 codes on along its rows, or past their end the
+// first step of its next pass, `stride` rows on.
+__device__ __forceinline__ void qmv4_next(int& row, int& k, int K, int lane, int stride) {
+    k += 32 * 32;
+    if (k >= K) {
+        k = lane * 32;
+        row += stride;
+    }
+}
+
 // ROWS rows per warp; a block's warps cover a pass of ROWS * warps rows. Grid: up to one block a
 // pass, 32 * warps threads (warps <= 32); with fewer blocks each takes several passes (it then
 // stages x once for all of them, and loads its next pass's first step while finishing one).
@@ -147,16 +168,9 @@ __device__ void qmv4(const float* __restrict__ x, const uint8_t* __restrict__ w,
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
     // a block may take several passes of nw * ROWS rows (the grid strides), staging x once
     const int rpb = nw * ROWS, passes = (N + rpb - 1) / rpb;
-    const size_t rb = (size_t)K / 2;
     // the first step's weights are requested before x is staged, to overlap the two
     uint4 wv[ROWS];
-    {
-        const int row0 = blockIdx.x * rpb + warp * ROWS;
-#pragma unroll
-        for (int r = 0; r < ROWS; r++)
-            wv[r] = row0 + r < N && lane * 32 < K ? *(const uint4*)(w + (size_t)(row0 + r) * rb + lane * 16)
-                                                  : make_uint4(0u, 0u, 0u, 0u);
-    }
+    qmv4_load<ROWS>(wv, w, blockIdx.x * rpb + warp * ROWS, lane * 32, N, K);
     pdl_wait();
     // x is staged once, in one pass: times the norm's weight, pre-divided by 16^j for the
     // nibble position it meets, with the sum of each lane-step's 32 values beside it; the
@@ -202,15 +216,11 @@ __device__ void qmv4(const float* __restrict__ x, const uint8_t* __restrict__ w,
 #pragma unroll
         for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
         for (int k = lane * 32; k < K; k += 32 * 32) {
-            // the next step's weights in flight while this one is computed: past the row's end,
-            // the first step of the block's next pass
+            // the next step's weights in flight while this one is computed
             uint4 nv[ROWS];
-            const bool wrap = k + 32 * 32 >= K;
-            const int nr = wrap ? row0 + gridDim.x * rpb : row0, kn = wrap ? lane * 32 : k + 32 * 32;
-#pragma unroll
-            for (int r = 0; r < ROWS; r++)
-                nv[r] = nr + r < N ? *(const uint4*)(w + (size_t)(nr + r) * rb + kn / 2)
-                                   : make_uint4(0u, 0u, 0u, 0u);
+            int nr = row0, kn = k;
+            qmv4_next(nr, kn, K, lane, gridDim.x * rpb);
+            qmv4_load<ROWS>(nv, w, nr, kn, N, K);
             float xs[32];
             const float xsum = xsums[k / 32];
             const float4* xb = xsm + (k & ~1023) / 4 + lane;
@@ -273,15 +283,8 @@ __device__ void qmv4q(const float* __restrict__ x, const uint8_t* __restrict__ w
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
     // a block may cover several passes of nw * ROWS rows (grid-stride): x is staged once
     const int rpb = nw * ROWS, passes = (N + rpb - 1) / rpb;
-    const size_t rb = (size_t)K / 2;
     uint4 wv[ROWS];
-    {
-        const int row0 = blockIdx.x * rpb + warp * ROWS;
-#pragma unroll
-        for (int r = 0; r < ROWS; r++)
-            wv[r] = row0 + r < N && lane * 32 < K ? *(const uint4*)(w + (size_t)(row0 + r) * rb + lane * 16)
-                                                  : make_uint4(0u, 0u, 0u, 0u);
-    }
+    qmv4_load<ROWS>(wv, w, blockIdx.x * rpb + warp * ROWS, lane * 32, N, K);
     pdl_wait();
     // a thread stages 8 values (a unit); a lane-step's 32 are 4 consecutive threads. Two units
     // a thread are loaded before either is used, halving the round trips to L2.
@@ -355,15 +358,11 @@ __device__ void qmv4q(const float* __restrict__ x, const uint8_t* __restrict__ w
 #pragma unroll
         for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
         for (int k = lane * 32; k < K; k += 32 * 32) {
-            // the next step's weights in flight while this one is computed: past the row's end,
-            // the first step of the block's next pass
+            // the next step's weights in flight while this one is computed
             uint4 nv[ROWS];
-            const bool wrap = k + 32 * 32 >= K;
-            const int nr = wrap ? row0 + gridDim.x * rpb : row0, kn = wrap ? lane * 32 : k + 32 * 32;
-#pragma unroll
-            for (int r = 0; r < ROWS; r++)
-                nv[r] = nr + r < N ? *(const uint4*)(w + (size_t)(nr + r) * rb + kn / 2)
-                                   : make_uint4(0u, 0u, 0u, 0u);
+            int nr = row0, kn = k;
+            qmv4_next(nr, kn, K, lane, gridDim.x * rpb);
+            qmv4_load<ROWS>(nv, w, nr, kn, N, K);
             const uint4* xb = xq + (k >> 10) * 128 + lane;
             const uint4 xw[4] = {xb[0], xb[32], xb[64], xb[96]};
             const float2 sc = xsc[k / 32];
