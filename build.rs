@@ -16,9 +16,10 @@ fn main() {
     {
         println!("cargo:rustc-cfg=bot_metal");
     }
-    for f in ["qmatmul.cu", "step.cu", "common.cuh"] {
+    for f in ["qmatmul.cu", "step.cu", "sample.cu", "common.cuh"] {
         println!("cargo:rerun-if-changed=src/engine/cuda/{f}");
     }
+    println!("cargo:rerun-if-changed=src/engine/kernels/sample.h");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=NVCC");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
@@ -37,7 +38,7 @@ fn main() {
         .unwrap_or_else(|| "80".into());
     // the host launches kernels with programmatic dependent launch only where the PTX has it
     println!("cargo:rustc-env=BOT_CUDA_ARCH={cap}");
-    for name in ["qmatmul", "step"] {
+    for name in ["qmatmul", "step", "sample"] {
         let src = format!("src/engine/cuda/{name}.cu");
         let status = Command::new(&nvcc)
             .args(["--ptx", "-O3", "-std=c++17"])

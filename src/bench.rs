@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use crate::cli::BenchArgs;
 use crate::debug::{init_threads, kernel};
+use crate::engine::sample::{recent_distinct, Draw, SampleStep, SamplerParams};
 use crate::engine::{self, device, profile, synthetic, ModelOptions, Qwen3};
 
 #[derive(Serialize)]
@@ -18,6 +19,8 @@ pub struct Report {
     pub kernel: String,
     pub threads: usize,
     pub lora: bool,
+    /// The sampler decode ran with (`--sampler`): `greedy`, or its settings.
+    pub sampler: String,
     pub load_s: f64,
     pub prompt_tokens: usize,
     pub gen_tokens: usize,
@@ -126,25 +129,35 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         .map(|i| ((i.wrapping_mul(2_654_435_761) ^ args.seed) % vocab) as u32)
         .collect();
 
+    let sampler = parse_sampler(&args.sampler)?;
+    let params = sampler.resolve(model.cfg.vocab_size);
+    let mut decoder = Decoder {
+        params,
+        context: sampler
+            .penalty_active()
+            .then_some(sampler.repetition_context),
+        seed: args.seed,
+        history: Vec::new(),
+        recent: Vec::new(),
+    };
     // Prefill and decode seconds, each with the profile counters of its phase.
-    type Phase = (f64, [f64; 4]);
-    let step = |m: &mut Qwen3, gen: usize| -> anyhow::Result<(Phase, Phase)> {
+    type Phase = (f64, [f64; PARTS]);
+    let mut step = |m: &mut Qwen3, gen: usize| -> anyhow::Result<(Phase, Phase)> {
         m.reset();
         profile::reset();
         let t = Instant::now();
-        let mut logits = m.next_logits(&prompt)?;
+        let mut id = decoder.first(m, &prompt)?;
         let prefill = (t.elapsed().as_secs_f64(), profile::snapshot());
         profile::reset();
         let t = Instant::now();
         for _ in 0..gen {
-            let id = Qwen3::argmax(&logits);
-            logits = m.next_logits(&[id])?;
+            id = decoder.next(m, id)?;
         }
         Ok((prefill, (t.elapsed().as_secs_f64(), profile::snapshot())))
     };
     step(&mut model, args.gen_tokens.min(8))?; // warm-up: page in weights, size buffers
     let (mut pre, mut dec) = (Vec::new(), Vec::new());
-    let (mut pre_total, mut decode_total) = ((0.0, [0.0; 4]), (0.0, [0.0; 4]));
+    let (mut pre_total, mut decode_total) = ((0.0, [0.0; PARTS]), (0.0, [0.0; PARTS]));
     let add = |total: &mut Phase, (s, parts): Phase| {
         total.0 += s;
         total.1.iter_mut().zip(parts).for_each(|(a, b)| *a += b);
@@ -164,6 +177,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         model.profile_kernels(true);
         profile_pass(
             &mut model,
+            &mut decoder,
             &prompt,
             args.gen_tokens,
             &mut prefill_kernel_times,
@@ -179,6 +193,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         kernel: format!("{:?}", args.kernel).to_lowercase(),
         threads: rayon::current_num_threads(),
         lora: args.adapter.is_some() || args.synthetic_lora,
+        sampler: describe(&sampler),
         load_s,
         prompt_tokens: args.prompt_tokens,
         gen_tokens: args.gen_tokens,
@@ -202,7 +217,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
 
 /// Shares of a phase's wall time per profiled part, the rest last; empty where no part was
 /// timed (the fused CUDA step keeps no host-side counters: see `--kernel-times`).
-fn time_split((total, parts): (f64, [f64; 4])) -> Vec<(String, f64)> {
+fn time_split((total, parts): (f64, [f64; PARTS])) -> Vec<(String, f64)> {
     if parts.iter().all(|&p| p == 0.0) {
         return Vec::new();
     }
@@ -222,19 +237,115 @@ fn time_split((total, parts): (f64, [f64; 4])) -> Vec<(String, f64)> {
 /// One profiled pass, `prompt` then `gen` decoded tokens: GPU time per kernel class of each.
 fn profile_pass(
     m: &mut Qwen3,
+    decoder: &mut Decoder,
     prompt: &[u32],
     gen: usize,
     prefill: &mut Vec<KernelRow>,
     decode: &mut Vec<KernelRow>,
 ) -> anyhow::Result<()> {
     m.reset();
-    let mut logits = m.next_logits(prompt)?;
+    let mut id = decoder.first(m, prompt)?;
     *prefill = kernel_rows(m.kernel_times()?, prompt.len());
     for _ in 0..gen {
-        logits = m.next_logits(&[Qwen3::argmax(&logits)])?;
+        id = decoder.next(m, id)?;
     }
     *decode = kernel_rows(m.kernel_times()?, gen);
     Ok(())
+}
+
+const PARTS: usize = profile::PARTS.len();
+
+/// The token loop of `bot generate` without the text: each step samples with the user's
+/// sampler where the logits are, as generation does.
+struct Decoder {
+    params: engine::sample::KernelParams,
+    /// The penalty's context, when one is active.
+    context: Option<usize>,
+    seed: u64,
+    history: Vec<u32>,
+    recent: Vec<u32>,
+}
+
+impl Decoder {
+    fn first(&mut self, m: &mut Qwen3, prompt: &[u32]) -> anyhow::Result<u32> {
+        self.history.clear();
+        self.history.extend_from_slice(prompt);
+        self.step(m, prompt)
+    }
+
+    fn next(&mut self, m: &mut Qwen3, id: u32) -> anyhow::Result<u32> {
+        self.history.push(id);
+        self.step(m, &[id])
+    }
+
+    fn step(&mut self, m: &mut Qwen3, ids: &[u32]) -> anyhow::Result<u32> {
+        if let Some(c) = self.context {
+            recent_distinct(&self.history, c, &mut self.recent);
+        }
+        let s = SampleStep {
+            params: self.params,
+            recent: &self.recent,
+            draw: Draw {
+                seed: self.seed,
+                counter: self.history.len() as u64,
+            },
+        };
+        Ok(m.next_token(ids, &s)?.id)
+    }
+}
+
+/// `--sampler`: `greedy`, `default` (the user's default: temperature 0.95, top-p 0.9), or
+/// settings like `t=0.95,top_p=0.9,min_p=0,top_k=0,rep=1.1`.
+pub fn parse_sampler(spec: &str) -> anyhow::Result<SamplerParams> {
+    let p = match spec.trim() {
+        "greedy" => SamplerParams::greedy(),
+        "default" => SamplerParams::default(),
+        s => {
+            let mut p = SamplerParams {
+                top_p: 1.0,
+                ..SamplerParams::default()
+            };
+            for kv in s.split(',').filter(|kv| !kv.trim().is_empty()) {
+                let (k, v) = kv
+                    .split_once('=')
+                    .with_context(|| format!("--sampler: `{kv}` is not KEY=VALUE"))?;
+                let num = |v: &str| -> anyhow::Result<f32> {
+                    v.trim()
+                        .parse::<f32>()
+                        .with_context(|| format!("--sampler: `{kv}`: not a number"))
+                };
+                match k.trim() {
+                    "t" | "temp" | "temperature" => p.temperature = num(v)?,
+                    "top_p" => p.top_p = num(v)?,
+                    "min_p" => p.min_p = num(v)?,
+                    "top_k" => {
+                        p.top_k = v
+                            .trim()
+                            .parse()
+                            .with_context(|| format!("--sampler: `{kv}`: not a count"))?
+                    }
+                    "rep" | "repetition_penalty" => p.repetition_penalty = num(v)?,
+                    other => anyhow::bail!(
+                        "--sampler: unknown setting `{other}` (expected t, top_p, min_p, top_k, rep)"
+                    ),
+                }
+            }
+            p
+        }
+    };
+    p.validate()
+        .map_err(|e| anyhow::anyhow!("--sampler {spec:?}: {e}"))?;
+    Ok(p)
+}
+
+fn describe(p: &SamplerParams) -> String {
+    if p.is_greedy() {
+        return "greedy".into();
+    }
+    format!(
+        "t={},top_p={},min_p={},top_k={},rep={}",
+        p.temperature, p.top_p, p.min_p, p.top_k, p.repetition_penalty
+    )
 }
 
 fn kernel_rows(times: Vec<profile::KernelTime>, tokens: usize) -> Vec<KernelRow> {
@@ -259,6 +370,7 @@ fn print_table(r: &Report) {
         r.kernel,
         if r.lora { ", LoRA" } else { "" }
     );
+    println!("sampler          {}", r.sampler);
     println!("load             {:.3} s", r.load_s);
     println!(
         "prefill          {:.1} tok/s ({} tokens)",

@@ -431,6 +431,10 @@ pub struct BenchArgs {
     pub cuda_step: CudaStep,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// How decode picks tokens: `default` (the user's default sampler, as `bot generate`),
+    /// `greedy`, or settings like `t=0.95,top_p=0.9,min_p=0,top_k=0,rep=1.1`
+    #[arg(long, default_value = "default")]
+    pub sampler: String,
     /// After the timed runs, one more decode pass timing every GPU kernel with CUDA events
     /// (the fused CUDA step only)
     #[arg(long)]

@@ -10,8 +10,8 @@ use clap::ValueEnum;
 use crate::cli::{GenerateArgs, ModelArgs, SamplingArgs};
 use crate::debug::{init_threads, kernel};
 use crate::engine::device::{self, DeviceKind};
+use crate::engine::sample::SamplerParams;
 use crate::engine::ModelOptions;
-use crate::generate::sampler::SamplerConfig;
 use crate::generate::{self, Event, Generator, Post, PostRequest};
 use crate::hub::{self, HubEnv, Kind};
 use crate::settings::{Overrides, Settings};
@@ -102,12 +102,12 @@ pub fn post_request(
         prompt: s.prompt.clone(),
         prompts: generate::load_prompts(settings.prompts.value.as_deref())?,
         system: settings.system.value.clone(),
-        sampler: SamplerConfig {
+        sampler: SamplerParams {
             temperature: settings.temperature.value,
             top_p: settings.top_p.value,
             min_p: settings.min_p.value,
             top_k: settings.top_k.value,
-            repetition_penalty: settings.repetition_penalty.value,
+            repetition_penalty: settings.repetition_penalty.value.unwrap_or(1.0),
             repetition_context: 20,
         },
         seed,

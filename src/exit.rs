@@ -46,7 +46,7 @@ pub fn code(e: &anyhow::Error) -> i32 {
         }
         if let Some(g) = cause.downcast_ref::<GenerateError>() {
             return match g {
-                GenerateError::TooShort { .. } => GENERATION,
+                GenerateError::TooShort { .. } | GenerateError::NonFinite { .. } => GENERATION,
                 GenerateError::EmptyPrompts { .. }
                 | GenerateError::ReadPrompts { .. }
                 | GenerateError::Sampling(_) => CONFIG,

@@ -34,6 +34,10 @@ use super::quant_cuda::{
     qmv4q_smem, resident, Epi, GpuQMatrix, MODULE as QMODULE, PTX as QPTX,
 };
 use super::qwen3::{CudaStep, Linear, Qwen3, Weight};
+use super::sample::{
+    decode_kernel_output, KernelParams, NonFinite, SampleState, SampleStep, Sampled,
+};
+use super::sample_cuda;
 
 const STEP_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/step.ptx"));
 const STEP_MODULE: &str = "bot_step";
@@ -186,6 +190,7 @@ enum Arg {
     I(i32),
     F(f32),
     E(Epi),
+    S(KernelParams),
 }
 
 pub struct FusedQwen3 {
@@ -206,6 +211,11 @@ pub struct FusedQwen3 {
     pos: CudaSlice<i32>,
     mode: CudaStep,
     graph: Option<CudaGraph>,
+    /// The sampler the captured graph ends with (`None`: it stops at the logits).
+    graph_sampler: Option<KernelParams>,
+    /// The sampler's per-token inputs (`SampleState`) and its three output words.
+    sample_state: CudaSlice<u8>,
+    sample_out: CudaSlice<u32>,
     /// While profiling: an event pair around every launch (which then runs eagerly).
     profile: Option<RefCell<Vec<(&'static str, CudaEvent, CudaEvent)>>>,
 }
@@ -321,6 +331,15 @@ impl FusedQwen3 {
                     .into_cuda_function(),
             );
         }
+        funcs.insert(
+            sample_cuda::KERNEL,
+            dev.get_or_load_custom_func(
+                sample_cuda::KERNEL,
+                sample_cuda::MODULE,
+                sample_cuda::PTX,
+            )?
+            .into_cuda_function(),
+        );
         let vec = |t: &candle_core::Tensor| -> Result<CudaSlice<f32>> {
             let v = t
                 .flatten_all()?
@@ -431,6 +450,9 @@ impl FusedQwen3 {
             pos: dev.alloc_zeros::<i32>(1)?,
             mode,
             graph: None,
+            graph_sampler: None,
+            sample_state: dev.alloc_zeros::<u8>(std::mem::size_of::<SampleState>())?,
+            sample_out: dev.alloc_zeros::<u32>(3)?,
             profile: None,
         })
     }
@@ -488,6 +510,53 @@ impl FusedQwen3 {
         keep_hidden: bool,
     ) -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
         let m = ids.len();
+        let mut hidden = Vec::new();
+        self.run(
+            ids,
+            pos,
+            all_logits,
+            keep_hidden.then_some(&mut hidden),
+            None,
+        )?;
+        let rows = if all_logits { m } else { 1 };
+        let mut logits = vec![0f32; rows * self.d.vocab];
+        self.stream
+            .memcpy_dtoh(&self.bufs.logits.slice(0..rows * self.d.vocab), &mut logits)
+            .w()?;
+        self.stream.synchronize().w()?;
+        Ok((logits, hidden))
+    }
+
+    /// Runs `ids` at cache position `pos` and samples the next token on the GPU, after the
+    /// head, in the same graph: only the token, its log-probability and a flag come back.
+    pub fn forward_sample(
+        &mut self,
+        ids: &[u32],
+        pos: usize,
+        s: &SampleStep,
+    ) -> Result<std::result::Result<Sampled, NonFinite>> {
+        let state = SampleState::new(s.draw, s.recent);
+        self.stream
+            .memcpy_htod(&state.to_bytes(), &mut self.sample_state)
+            .w()?;
+        self.run(ids, pos, false, None, Some(s.params))?;
+        let mut out = [0u32; 3];
+        self.stream.memcpy_dtoh(&self.sample_out, &mut out).w()?;
+        self.stream.synchronize().w()?;
+        Ok(decode_kernel_output(out))
+    }
+
+    /// Uploads `ids` and `pos`, then issues the forward (replaying the decode graph where it
+    /// can, capturing it first if needed), ending with the sampler when one is given.
+    fn run(
+        &mut self,
+        ids: &[u32],
+        pos: usize,
+        all_logits: bool,
+        hidden: Option<&mut Vec<Vec<f32>>>,
+        sample: Option<KernelParams>,
+    ) -> Result<()> {
+        let m = ids.len();
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= self.d.vocab) {
             return Err(EngineError::Invalid(format!(
                 "token id {id} is outside the vocabulary (size {})",
@@ -499,12 +568,17 @@ impl FusedQwen3 {
             .memcpy_htod(ids, &mut self.bufs.ids.slice_mut(0..m))
             .w()?;
         self.stream.memcpy_htod(&[pos as i32], &mut self.pos).w()?;
-        let mut hidden = Vec::new();
-        let graphable = m == 1 && !all_logits && !keep_hidden && self.profile.is_none();
+        let graphable = m == 1 && !all_logits && hidden.is_none() && self.profile.is_none();
         if graphable && self.mode == CudaStep::Graph {
+            if self.graph.is_some() && self.graph_sampler != sample {
+                self.graph = None;
+            }
             if self.graph.is_none() {
-                match self.capture() {
-                    Ok(g) => self.graph = Some(g),
+                match self.capture(sample) {
+                    Ok(g) => {
+                        self.graph = Some(g);
+                        self.graph_sampler = sample;
+                    }
                     Err(e) => {
                         eprintln!("CUDA graph capture failed ({e}); launching kernels one by one");
                         self.mode = CudaStep::Eager;
@@ -514,15 +588,9 @@ impl FusedQwen3 {
         }
         match (&self.graph, graphable && self.mode == CudaStep::Graph) {
             (Some(g), true) => g.launch().w()?,
-            _ => self.issue(m, all_logits, keep_hidden.then_some(&mut hidden))?,
+            _ => self.issue(m, all_logits, hidden, sample)?,
         }
-        let rows = if all_logits { m } else { 1 };
-        let mut logits = vec![0f32; rows * self.d.vocab];
-        self.stream
-            .memcpy_dtoh(&self.bufs.logits.slice(0..rows * self.d.vocab), &mut logits)
-            .w()?;
-        self.stream.synchronize().w()?;
-        Ok((logits, hidden))
+        Ok(())
     }
 
     /// Buffers for `m` rows (and every row's logits if asked) and a cache for `len` positions;
@@ -555,11 +623,11 @@ impl FusedQwen3 {
         Ok(())
     }
 
-    fn capture(&mut self) -> Result<CudaGraph> {
+    fn capture(&mut self, sample: Option<KernelParams>) -> Result<CudaGraph> {
         self.stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .w()?;
-        let issued = self.issue(1, false, None);
+        let issued = self.issue(1, false, None, sample);
         let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
         issued?;
         graph
@@ -625,6 +693,7 @@ impl FusedQwen3 {
                 Arg::I(v) => b.arg(v),
                 Arg::F(v) => b.arg(v),
                 Arg::E(v) => b.arg(v),
+                Arg::S(v) => b.arg(v),
             };
         }
         let cfg = LaunchConfig {
@@ -671,6 +740,7 @@ impl FusedQwen3 {
                 Arg::I(v) => v as *const i32 as *mut std::ffi::c_void,
                 Arg::F(v) => v as *const f32 as *mut std::ffi::c_void,
                 Arg::E(v) => v as *const Epi as *mut std::ffi::c_void,
+                Arg::S(v) => v as *const KernelParams as *mut std::ffi::c_void,
             })
             .collect();
         // SAFETY: a zeroed attribute value is valid (all fields are plain integers)
@@ -927,12 +997,14 @@ impl FusedQwen3 {
         self.launch("rms_norm_f32", (rows, 1), 256, &a)
     }
 
-    /// Every kernel of a forward over `m` rows, in order, on the stream.
+    /// Every kernel of a forward over `m` rows, in order, on the stream; with `sample`, the
+    /// sampler after the head (on the last row's logits, which it penalizes in place).
     fn issue(
         &self,
         m: usize,
         all_logits: bool,
         mut hidden: Option<&mut Vec<Vec<f32>>>,
+        sample: Option<KernelParams>,
     ) -> Result<()> {
         let (d, st) = (self.d, &self.stream);
         let b = &self.bufs;
@@ -1076,7 +1148,7 @@ impl FusedQwen3 {
         if !fuse {
             self.rms_norm(last, &self.norm, xn, rows)?;
             keep(&mut hidden, &b.xn, rows * d.h)?;
-            return self.proj(
+            self.proj(
                 "lm_head",
                 &self.head,
                 xn,
@@ -1085,7 +1157,11 @@ impl FusedQwen3 {
                 0,
                 None,
                 fuse,
-            );
+            )?;
+            return match sample {
+                Some(p) => self.sample(p),
+                None => Ok(()),
+            };
         }
         self.proj(
             "lm_head",
@@ -1096,6 +1172,34 @@ impl FusedQwen3 {
             0,
             Some(&self.norm),
             fuse,
+        )?;
+        match sample {
+            Some(p) => self.sample(p),
+            None => Ok(()),
+        }
+    }
+
+    /// `sample_f32` on the last row of logits (one block; `kernels/sample.h`).
+    fn sample(&self, p: KernelParams) -> Result<()> {
+        let st = &self.stream;
+        let logits = ptr(&self.bufs.logits, st);
+        let out = ptr(&self.sample_out, st);
+        self.launch_as(
+            "sample",
+            sample_cuda::KERNEL,
+            (1, 1),
+            sample_cuda::THREADS,
+            0,
+            &[
+                Arg::P(logits),
+                Arg::P(logits),
+                Arg::I(self.d.vocab as i32),
+                Arg::S(p),
+                Arg::P(ptr(&self.sample_state, st)),
+                Arg::P(out),
+                Arg::P(out),
+                Arg::I(0),
+            ],
         )
     }
 }

@@ -49,6 +49,12 @@ pub enum EngineError {
     #[error("adapter {path}: {why}")]
     Adapter { path: PathBuf, why: String },
 
+    #[error(
+        "the model produced NaN/Inf logits: its weights or config (norm eps, rope theta, LoRA \
+         scale) make the arithmetic overflow; nothing was sampled from them"
+    )]
+    NonFiniteLogits,
+
     #[error("{0}")]
     Invalid(String),
 

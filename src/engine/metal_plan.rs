@@ -95,40 +95,12 @@ pub fn gather_plan(p: &QParams) -> Plan {
 
 #[cfg(test)]
 mod tests {
-    //! The MSL kernels, compiled as C++ under `tests/metal_shim/shim.h` (g++ or clang++ with
-    //! C++20: `CXX` picks it), against the slow reference.
+    //! The MSL kernels, compiled as C++ under `tests/metal_shim/shim.h`, against the slow
+    //! reference.
     use super::*;
     use crate::engine::quant::testutil::random_qmatrix;
     use crate::engine::weights::Dtype;
     use rand::{Rng, SeedableRng};
-    use std::path::{Path, PathBuf};
-    use std::sync::OnceLock;
-
-    fn runner() -> &'static Path {
-        static RUNNER: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-        &RUNNER
-            .get_or_init(|| {
-                let dir = tempfile::tempdir().unwrap();
-                let exe = dir.path().join("runner");
-                let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
-                let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/metal_shim/runner.cpp");
-                let out = std::process::Command::new(&cxx)
-                    .args(["-std=c++20", "-O1", "-Wno-attributes", "-pthread", "-o"])
-                    .arg(&exe)
-                    .arg(&src)
-                    .output()
-                    .unwrap_or_else(|e| {
-                        panic!("the Metal shim tests need a C++20 compiler ({cxx}): {e}")
-                    });
-                assert!(
-                    out.status.success(),
-                    "{cxx} could not compile the MSL under the shim:\n{}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
-                (dir, exe)
-            })
-            .1
-    }
 
     fn run(plan: &Plan, p: &QParams, x: &[u8], w: &crate::engine::QMatrix) -> Vec<f32> {
         let dir = tempfile::tempdir().unwrap();
@@ -138,7 +110,7 @@ mod tests {
         std::fs::write(d.join("w.bin"), &w.packed[..]).unwrap();
         std::fs::write(d.join("s.bin"), &w.scales.bytes[..]).unwrap();
         std::fs::write(d.join("b.bin"), &w.biases.bytes[..]).unwrap();
-        let st = std::process::Command::new(runner())
+        let st = std::process::Command::new(crate::engine::metal_shim::runner("runner"))
             .arg(plan.kernel)
             .arg(d)
             .args(

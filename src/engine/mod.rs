@@ -10,6 +10,8 @@ pub mod error;
 pub mod gemm_cpu;
 pub mod lora;
 pub mod metal_plan;
+#[cfg(test)]
+mod metal_shim;
 pub mod profile;
 pub mod quant;
 pub mod quant_cpu;
@@ -19,6 +21,13 @@ pub mod quant_cuda;
 pub mod quant_metal;
 pub mod qwen3;
 pub mod repack;
+pub mod sample;
+pub mod sample_cpu;
+#[cfg(feature = "cuda")]
+pub mod sample_cuda;
+#[cfg(bot_metal)]
+pub mod sample_metal;
+pub mod sample_op;
 pub mod synthetic;
 pub mod weights;
 

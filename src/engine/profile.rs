@@ -14,9 +14,11 @@ pub enum Part {
     Lora = 2,
     /// Attention proper: norms, RoPE, scores, softmax, KV cache.
     Attention = 3,
+    /// Choosing the next token from the logits.
+    Sampling = 4,
 }
 
-pub const PARTS: [(Part, &str); 4] = [
+pub const PARTS: [(Part, &str); 5] = [
     (Part::Projections, "layer projections (fused 4-bit matmul)"),
     (Part::Head, "output head (fused 4-bit matmul)"),
     (Part::Lora, "LoRA branches"),
@@ -24,9 +26,11 @@ pub const PARTS: [(Part, &str); 4] = [
         Part::Attention,
         "attention core (q/k norm, RoPE, KV cache, softmax)",
     ),
+    (Part::Sampling, "sampling (penalty, softmax, filters, draw)"),
 ];
 
-static NANOS: [AtomicU64; 4] = [
+static NANOS: [AtomicU64; 5] = [
+    AtomicU64::new(0),
     AtomicU64::new(0),
     AtomicU64::new(0),
     AtomicU64::new(0),
@@ -44,8 +48,8 @@ pub fn reset() {
 }
 
 /// Seconds spent in each part since the last reset.
-pub fn snapshot() -> [f64; 4] {
-    let mut out = [0.0; 4];
+pub fn snapshot() -> [f64; 5] {
+    let mut out = [0.0; 5];
     for (o, n) in out.iter_mut().zip(&NANOS) {
         *o = n.load(Ordering::Relaxed) as f64 * 1e-9;
     }

@@ -28,35 +28,56 @@ fn err(e: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::Msg(format!("bot metal kernels: {e}"))
 }
 
-/// The compiled library (one process uses one GPU) and its pipelines by kernel name.
-fn pipeline(dev: &MetalDevice, name: &'static str) -> candle_core::Result<ComputePipeline> {
-    static LIB: OnceLock<std::result::Result<Library, String>> = OnceLock::new();
-    static PIPES: Mutex<Vec<(&'static str, ComputePipeline)>> = Mutex::new(Vec::new());
-    let lib = LIB
+/// The MSL libraries of this backend, each compiled once per process (one process uses one
+/// GPU): the quantized matmuls (`metal/qmatmul.metal`) and the sampler (`metal/sample.metal`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Lib {
+    QMatmul = 0,
+    Sample = 1,
+}
+
+/// The pipeline of kernel `name` in `lib`, compiling the library on first use.
+pub(crate) fn pipeline(
+    dev: &MetalDevice,
+    lib: Lib,
+    name: &'static str,
+) -> candle_core::Result<ComputePipeline> {
+    static LIBS: [OnceLock<std::result::Result<Library, String>>; 2] =
+        [OnceLock::new(), OnceLock::new()];
+    static PIPES: Mutex<Vec<(Lib, &'static str, ComputePipeline)>> = Mutex::new(Vec::new());
+    let library = LIBS[lib as usize]
         .get_or_init(|| {
+            let source = match lib {
+                Lib::QMatmul => metal_plan::SOURCE.to_string(),
+                Lib::Sample => super::sample::metal_source(),
+            };
+            // the sampler's exp must not be contracted or reordered: fast math off
+            let opts = objc2_metal::MTLCompileOptions::new();
+            #[allow(deprecated)]
+            opts.setFastMathEnabled(lib != Lib::Sample);
             dev.device()
-                .new_library_with_source(metal_plan::SOURCE, None)
+                .new_library_with_source(&source, Some(&opts))
                 .map_err(|e| e.to_string())
         })
         .as_ref()
-        .map_err(|e| err(format!("the MSL source did not compile: {e}")))?;
+        .map_err(|e| err(format!("the MSL source ({lib:?}) did not compile: {e}")))?;
     let mut pipes = PIPES.lock().map_err(err)?;
-    if let Some((_, p)) = pipes.iter().find(|(n, _)| *n == name) {
+    if let Some((_, _, p)) = pipes.iter().find(|(l, n, _)| *l == lib && *n == name) {
         return Ok(p.clone());
     }
-    let f = lib.get_function(name, None).map_err(err)?;
+    let f = library.get_function(name, None).map_err(err)?;
     let p = dev
         .device()
         .new_compute_pipeline_state_with_function(&f)
         .map_err(err)?;
-    pipes.push((name, p.clone()));
+    pipes.push((lib, name, p.clone()));
     Ok(p)
 }
 
 /// Whether the native kernels compile on this Mac; `--qmatmul auto` falls back to the repack
 /// route when they do not.
 pub fn native_kernels_available(dev: &MetalDevice) -> std::result::Result<(), String> {
-    pipeline(dev, "qmv_generic")
+    pipeline(dev, Lib::QMatmul, "qmv_generic")
         .map(|_| ())
         .map_err(|e| e.to_string())
 }
@@ -81,7 +102,7 @@ fn launch(
     w: &MetalQMatrix,
     out: &Buffer,
 ) -> candle_core::Result<()> {
-    let pipe = pipeline(dev, plan.kernel)?;
+    let pipe = pipeline(dev, Lib::QMatmul, plan.kernel)?;
     let guard = dev.command_encoder()?;
     let enc = guard.as_ref();
     enc.set_label(plan.kernel);

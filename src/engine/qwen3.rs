@@ -17,6 +17,9 @@ use super::lora::{Adapter, LoraBranch};
 use super::profile::{self, Part};
 use super::quant::{qmatmul, CpuKernel, QGather, QMatrix};
 use super::repack;
+use super::sample::{decode_kernel_output, SampleState, SampleStep, Sampled};
+use super::sample_cpu::CpuSampler;
+use super::sample_op::{split_output, SampleOp};
 use super::weights::WeightStore;
 
 /// Run-time choices that do not change the model.
@@ -480,7 +483,9 @@ pub struct Qwen3 {
     layers: Vec<DecoderLayer>,
     norm: Tensor,
     lm_head: Linear,
-    offset: usize,
+    /// The ids whose keys and values the cache holds, in order.
+    cached: Vec<u32>,
+    sampler: CpuSampler,
     device: Device,
     #[cfg(feature = "cuda")]
     fused: Option<Box<super::cuda_fused::FusedQwen3>>,
@@ -529,7 +534,8 @@ impl Qwen3 {
             embed_tokens: Embedding { weight: embed },
             layers,
             lm_head,
-            offset: 0,
+            cached: Vec::new(),
+            sampler: CpuSampler::new(),
             device: opts.device.clone(),
             cfg,
             #[cfg(feature = "cuda")]
@@ -636,15 +642,55 @@ impl Qwen3 {
 
     /// Tokens already in the KV cache.
     pub fn offset(&self) -> usize {
-        self.offset
+        self.cached.len()
     }
 
     pub fn reset(&mut self) {
-        self.offset = 0;
+        self.cached.clear();
         for l in &mut self.layers {
             l.self_attn.kv.reset();
             l.self_attn.host_kv.clear();
         }
+    }
+
+    /// Keeps the first `len` cached positions and forgets the rest.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        if len >= self.cached.len() {
+            return Ok(());
+        }
+        self.cached.truncate(len);
+        let row = self.cfg.num_key_value_heads * self.cfg.head_dim;
+        for l in &mut self.layers {
+            let a = &mut l.self_attn;
+            a.host_kv.k.truncate(len * row);
+            a.host_kv.v.truncate(len * row);
+            let (k, v) = (a.kv.k()?, a.kv.v()?); // (Hkv, T, D)
+            a.kv.reset();
+            if let (Some(k), Some(v), true) = (k, v, len > 0) {
+                a.kv.append(
+                    &k.narrow(1, 0, len)?.contiguous()?,
+                    &v.narrow(1, 0, len)?.contiguous()?,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Keeps the longest cached prefix of `ids` (all but its last token at most, which must
+    /// run to give logits) and returns its length: the caller runs `&ids[n..]`. A prompt
+    /// that starts like the previous one (the same system turn, a retry) skips that prefill.
+    pub fn reuse_prefix(&mut self, ids: &[u32]) -> Result<usize> {
+        let common = self
+            .cached
+            .iter()
+            .zip(ids)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(ids.len().saturating_sub(1));
+        if common < self.cached.len() {
+            self.truncate(common)?;
+        }
+        Ok(common)
     }
 
     /// Projections (and the head) running on candle's Q4_1 kernels after `--qmatmul repack`.
@@ -675,8 +721,8 @@ impl Qwen3 {
         }
         #[cfg(feature = "cuda")]
         if let Some(f) = &mut self.fused {
-            let (logits, hidden) = f.forward(ids, self.offset, all_logits, keep_hidden)?;
-            self.offset += l;
+            let (logits, hidden) = f.forward(ids, self.cached.len(), all_logits, keep_hidden)?;
+            self.cached.extend_from_slice(ids);
             let rows = if all_logits { l } else { 1 };
             let h = self.cfg.hidden_size;
             let hidden = hidden
@@ -690,10 +736,11 @@ impl Qwen3 {
             return Ok(ForwardOutput { logits, hidden });
         }
         let mut x = self.embed_tokens.forward(ids, &self.device)?; // (L, H)
-        let rope = rope_tables(&self.cfg, self.offset, l, &self.device)?;
-        let t = self.offset + l;
+        let offset = self.cached.len();
+        let rope = rope_tables(&self.cfg, offset, l, &self.device)?;
+        let t = offset + l;
         let mask = if l > 1 {
-            let off = self.offset;
+            let off = offset;
             let m: Vec<f32> = (0..l)
                 .flat_map(|i| {
                     (0..t).map(move |j| if j > off + i { f32::NEG_INFINITY } else { 0.0 })
@@ -713,7 +760,7 @@ impl Qwen3 {
                 hidden.push(x.clone());
             }
         }
-        self.offset = t;
+        self.cached.extend_from_slice(ids);
         let x = if all_logits {
             x
         } else {
@@ -736,12 +783,41 @@ impl Qwen3 {
                     "forward needs at least one token".into(),
                 ));
             }
-            let (logits, _) = f.forward(ids, self.offset, false, false)?;
-            self.offset += ids.len();
+            let (logits, _) = f.forward(ids, self.cached.len(), false, false)?;
+            self.cached.extend_from_slice(ids);
             return Ok(logits);
         }
         let out = self.forward(ids, false, false)?;
         Ok(out.logits.squeeze(0)?.to_vec1::<f32>()?)
+    }
+
+    /// Runs `ids` at the cache position and samples the next token where the logits are: on
+    /// the GPU only the token and its log-probability come back to the host.
+    pub fn next_token(&mut self, ids: &[u32], s: &SampleStep) -> Result<Sampled> {
+        #[cfg(feature = "cuda")]
+        if let Some(f) = &mut self.fused {
+            if ids.is_empty() {
+                return Err(EngineError::Invalid(
+                    "forward needs at least one token".into(),
+                ));
+            }
+            let out = f.forward_sample(ids, self.cached.len(), s)?;
+            self.cached.extend_from_slice(ids);
+            return out.map_err(|_| EngineError::NonFiniteLogits);
+        }
+        let logits = self.forward(ids, false, false)?.logits;
+        let t = Instant::now();
+        let out = if self.device.is_cpu() {
+            let mut v = logits.squeeze(0)?.to_vec1::<f32>()?;
+            self.sampler.sample(&mut v, s.recent, &s.params, s.draw)
+        } else {
+            // the GPU samples its own logits row: three words come back
+            let op = SampleOp::new(s.params, SampleState::new(s.draw, s.recent));
+            let bytes = logits.apply_op1_no_bwd(&op)?.to_vec1::<u8>()?;
+            decode_kernel_output(split_output(&bytes).0)
+        };
+        profile::add(Part::Sampling, t);
+        out.map_err(|_| EngineError::NonFiniteLogits)
     }
 
     /// Index of the largest logit (ties: the lowest id, like numpy's argmax).

@@ -103,41 +103,31 @@ impl ChatTokenizer {
 }
 
 /// Incremental detokenizer: text is released only once it is valid UTF-8 and no later token
-/// can change it (a multi-byte character split across byte-level tokens is held back).
+/// can change it (a multi-byte character split across byte-level tokens is held back). Each
+/// step decodes a window of a few ids (tokenizers' `DecodeStream`), never the whole text.
 pub struct TextStream<'a> {
-    tok: &'a ChatTokenizer,
-    ids: Vec<u32>,
-    emitted: usize,
+    inner: tokenizers::DecodeStream<
+        'a,
+        tokenizers::ModelWrapper,
+        tokenizers::NormalizerWrapper,
+        tokenizers::PreTokenizerWrapper,
+        tokenizers::PostProcessorWrapper,
+        tokenizers::DecoderWrapper,
+    >,
 }
 
 impl<'a> TextStream<'a> {
     pub fn new(tok: &'a ChatTokenizer) -> Self {
         TextStream {
-            tok,
-            ids: Vec::new(),
-            emitted: 0,
+            inner: tok.tokenizer.decode_stream(false),
         }
     }
 
     /// Adds a token; returns the newly final text, if any.
     pub fn push(&mut self, id: u32) -> Result<Option<String>, TokenizerError> {
-        self.ids.push(id);
-        let text = self.tok.decode(&self.ids)?;
-        // An incomplete character decodes to U+FFFD at the end: wait for its other bytes.
-        if text.ends_with('\u{FFFD}') {
-            return Ok(None);
-        }
-        if text.len() > self.emitted && text.is_char_boundary(self.emitted) {
-            let new = text[self.emitted..].to_string();
-            self.emitted = text.len();
-            return Ok(Some(new));
-        }
-        Ok(None)
-    }
-
-    /// Everything decoded so far.
-    pub fn text(&self) -> Result<String, TokenizerError> {
-        self.tok.decode(&self.ids)
+        self.inner
+            .step(id)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))
     }
 }
 

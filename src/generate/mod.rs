@@ -1,10 +1,10 @@
-//! Prompt → post: ChatML prompt, token loop with the KV cache and mlx_lm-order sampling,
-//! incremental detokenization, then pure post-processing to Bluesky's limits; too-short
-//! results are regenerated a bounded number of times and never replaced by a placeholder.
+//! Prompt → post: ChatML prompt, the token loop (the cache's common prefix with the previous
+//! prompt reused, the next token sampled where the logits are, incremental detokenization),
+//! then pure post-processing to Bluesky's limits; too-short results are regenerated a bounded
+//! number of times and never replaced by a placeholder.
 
 pub mod chat;
 pub mod postprocess;
-pub mod sampler;
 
 use std::path::Path;
 use std::time::Instant;
@@ -13,9 +13,9 @@ use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
-use crate::engine::{self, ModelOptions, Qwen3};
+use crate::engine::sample::{recent_distinct, Draw, SampleStep, SamplerParams};
+use crate::engine::{self, EngineError, ModelOptions, Qwen3};
 use chat::{ChatTokenizer, TextStream, TokenizerError};
-use sampler::{Sampler, SamplerConfig};
 
 /// The shipped instructions (`prompts/default.txt`), one per line.
 pub const DEFAULT_PROMPTS: &str = include_str!("../../prompts/default.txt");
@@ -45,6 +45,8 @@ pub enum GenerateError {
     },
     #[error("invalid sampling settings: {0}")]
     Sampling(String),
+    #[error("the model produced NaN/Inf logits at token {token} of attempt {attempt}: its weights or config (norm eps, rope theta, LoRA scale) make the arithmetic overflow; nothing was generated from them")]
+    NonFinite { token: usize, attempt: usize },
 }
 
 /// Instructions from a prompt list: non-empty lines, `#` comments skipped.
@@ -81,7 +83,7 @@ pub struct PostRequest {
     pub prompt: Option<String>,
     pub prompts: Vec<String>,
     pub system: Option<String>,
-    pub sampler: SamplerConfig,
+    pub sampler: SamplerParams,
     pub seed: u64,
     pub max_tokens: usize,
     pub min_chars: usize,
@@ -105,12 +107,21 @@ pub struct Post {
     pub seconds: f64,
     /// Whether the accepted attempt ended at an EOS token (else at --max-tokens).
     pub finished: bool,
+    /// Mean log-probability (nats) of the generated tokens under the model (its penalized
+    /// distribution before the sampler's filters and temperature), EOS excluded.
+    pub mean_logprob: Option<f64>,
 }
 
 /// Progress events for a terminal indicator.
 pub enum Event<'a> {
-    Attempt { attempt: usize },
-    Token { count: usize, text: &'a str },
+    Attempt {
+        attempt: usize,
+    },
+    /// A token was generated; `piece` is the text it completed (may be empty).
+    Token {
+        count: usize,
+        piece: &'a str,
+    },
 }
 
 pub struct Generator {
@@ -125,6 +136,7 @@ struct Completion {
     prefill_s: f64,
     decode_s: f64,
     finished: bool,
+    logprob_sum: f64,
 }
 
 impl Generator {
@@ -138,49 +150,83 @@ impl Generator {
         Ok(Generator { model, tokenizer })
     }
 
+    /// One generation: the prompt (its cached prefix reused), then up to `max_tokens` tokens,
+    /// each drawn with `Draw { seed, counter: attempt << 32 | index }`. Per token: one sampled
+    /// id back from the model, one detokenizer step (a window of a few ids), one event.
     fn complete(
         &mut self,
         prompt_ids: &[u32],
-        sampler: &mut Sampler,
+        sampler: &SamplerParams,
+        seed: u64,
+        attempt: usize,
         max_tokens: usize,
         on_event: &mut dyn FnMut(Event),
     ) -> Result<Completion, GenerateError> {
-        self.model.reset();
+        let params = sampler.resolve(self.model.cfg.vocab_size);
+        let context = sampler
+            .penalty_active()
+            .then_some(sampler.repetition_context);
+        // the penalty looks back over the prompt too, so history starts with it
+        let mut history: Vec<u32> = match context {
+            Some(_) => prompt_ids.to_vec(),
+            None => Vec::new(),
+        };
+        let mut recent = Vec::new();
+        let mut generated: Vec<u32> = Vec::with_capacity(max_tokens);
+        let mut sample = |model: &mut Qwen3, ids: &[u32], index: usize, history: &[u32]| {
+            if let Some(c) = context {
+                recent_distinct(history, c, &mut recent);
+            }
+            let step = SampleStep {
+                params,
+                recent: &recent,
+                draw: Draw {
+                    seed,
+                    counter: ((attempt as u64) << 32) | index as u64,
+                },
+            };
+            model.next_token(ids, &step).map_err(|e| match e {
+                EngineError::NonFiniteLogits => GenerateError::NonFinite {
+                    token: index,
+                    attempt,
+                },
+                e => e.into(),
+            })
+        };
         let t0 = Instant::now();
-        let mut logits = self.model.next_logits(prompt_ids)?;
+        let reused = self.model.reuse_prefix(prompt_ids)?;
+        let mut tok = sample(&mut self.model, &prompt_ids[reused..], 0, &history)?;
         let prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        let mut history = prompt_ids.to_vec();
         let mut stream = TextStream::new(&self.tokenizer);
-        let mut shown = String::new();
-        let mut generated = 0;
-        let mut finished = false;
-        while generated < max_tokens {
-            let id = sampler.sample(&logits, &history);
-            if self.tokenizer.is_eos(id) {
+        let (mut finished, mut logprob_sum) = (false, 0f64);
+        while generated.len() < max_tokens {
+            if self.tokenizer.is_eos(tok.id) {
                 finished = true;
                 break;
             }
-            history.push(id);
-            generated += 1;
-            if let Some(piece) = stream.push(id)? {
-                shown.push_str(&piece);
-            }
+            generated.push(tok.id);
+            logprob_sum += tok.logprob as f64;
+            let piece = stream.push(tok.id)?.unwrap_or_default();
             on_event(Event::Token {
-                count: generated,
-                text: &shown,
+                count: generated.len(),
+                piece: &piece,
             });
-            if generated < max_tokens {
-                logits = self.model.next_logits(&[id])?;
+            if generated.len() < max_tokens {
+                if context.is_some() {
+                    history.push(tok.id);
+                }
+                tok = sample(&mut self.model, &[tok.id], generated.len(), &history)?;
             }
         }
         Ok(Completion {
-            raw: stream.text()?,
-            tokens: generated,
+            raw: self.tokenizer.decode(&generated)?,
+            tokens: generated.len(),
             prompt_tokens: prompt_ids.len(),
             prefill_s,
             decode_s: t1.elapsed().as_secs_f64(),
             finished,
+            logprob_sum,
         })
     }
 
@@ -202,12 +248,19 @@ impl Generator {
         let prompt_ids = self
             .tokenizer
             .encode(&chat::render(req.system.as_deref(), &prompt))?;
-        let mut sampler = Sampler::new(req.sampler.clone(), rng.random());
+        let seed: u64 = rng.random();
         let start = Instant::now();
         let mut last_len = 0;
         for attempt in 1..=req.attempts.max(1) {
             on_event(Event::Attempt { attempt });
-            let c = self.complete(&prompt_ids, &mut sampler, req.max_tokens, on_event)?;
+            let c = self.complete(
+                &prompt_ids,
+                &req.sampler,
+                seed,
+                attempt,
+                req.max_tokens,
+                on_event,
+            )?;
             let text = postprocess::clean_post(&c.raw);
             last_len = postprocess::grapheme_count(&text);
             if last_len >= req.min_chars.max(1) {
@@ -223,6 +276,7 @@ impl Generator {
                     decode_tok_s: c.tokens as f64 / c.decode_s.max(1e-9),
                     seconds: start.elapsed().as_secs_f64(),
                     finished: c.finished,
+                    mean_logprob: (c.tokens > 0).then(|| c.logprob_sum / c.tokens as f64),
                 });
             }
         }

@@ -7,11 +7,12 @@ use assert_cmd::Command;
 use proptest::prelude::*;
 use serde_json::Value;
 
+use bot::engine::sample::{reference_kept, Draw, SamplerParams};
+use bot::engine::sample_cpu::CpuSampler;
 use bot::generate::chat::{self, ChatTokenizer};
 use bot::generate::postprocess::{
     clean_post, grapheme_count, is_emoji_cluster, MAX_BYTES, MAX_GRAPHEMES,
 };
-use bot::generate::sampler::{apply_min_p, apply_top_k, apply_top_p, log_softmax};
 use unicode_segmentation::UnicodeSegmentation;
 
 use crate::common::*;
@@ -93,8 +94,34 @@ fn incremental_decoding_keeps_characters_whole() {
     assert_eq!(out, text);
 }
 
+/// The sampler's rules as `apply_top_p` / `apply_min_p` / `apply_top_k` of a filter.
+fn filter(name: &str, value: f32, vocab: usize) -> bot::engine::sample::KernelParams {
+    let mut p = SamplerParams {
+        temperature: 1.0,
+        top_p: 1.0,
+        ..SamplerParams::default()
+    };
+    match name {
+        "top_p" => p.top_p = value,
+        "min_p" => p.min_p = value,
+        "top_k" => p.top_k = value as usize,
+        other => panic!("unknown filter {other}"),
+    }
+    p.resolve(vocab)
+}
+
+/// Every draw of the fast CPU sampler lands in the kept set.
+fn assert_draws_within(x: &[f32], p: &bot::engine::sample::KernelParams, kept: &[u32], what: &str) {
+    let mut s = CpuSampler::new();
+    for counter in 0..50 {
+        let d = Draw { seed: 1, counter };
+        let id = s.sample(&mut x.to_vec(), &[], p, d).unwrap().id;
+        assert!(kept.contains(&id), "{what}: drew {id}");
+    }
+}
+
 /// The kept sets of mlx_lm's apply_top_p / apply_min_p / apply_top_k and of the make_sampler
-/// chain, on the same logits, exactly.
+/// chain, on the same logits, exactly: the real fixture row and the tie/-inf/flat rows.
 #[test]
 fn sampler_masks_match_mlx_lm() {
     let cases: Value = serde_json::from_str(
@@ -103,41 +130,73 @@ fn sampler_masks_match_mlx_lm() {
     .unwrap();
     let (logits, shape) = Reference::open("q4g64").f32("logits_lora_last");
     let vocab = shape[1];
-    let mut lp = logits[logits.len() - vocab..].to_vec();
-    log_softmax(&mut lp);
-    let kept = |v: &[f32]| -> Vec<u64> {
-        (0..v.len())
-            .filter(|&i| v[i].is_finite())
-            .map(|i| i as u64)
-            .collect()
-    };
+    let x = logits[logits.len() - vocab..].to_vec();
     let mut checked = 0;
     for (name, want) in cases["cases"].as_object().unwrap() {
-        let want: Vec<u64> = want
+        let want: Vec<u32> = want
             .as_array()
             .unwrap()
             .iter()
-            .map(|x| x.as_u64().unwrap())
+            .map(|x| x.as_u64().unwrap() as u32)
             .collect();
-        let mut v = lp.clone();
-        if name.starts_with("chain") {
-            apply_top_p(&mut v, 0.95);
-            apply_min_p(&mut v, 0.05);
-            apply_top_k(&mut v, 20);
+        let p = if name.starts_with("chain") {
+            SamplerParams {
+                temperature: 1.0,
+                top_p: 0.95,
+                min_p: 0.05,
+                top_k: 20,
+                ..SamplerParams::default()
+            }
+            .resolve(vocab)
         } else {
             let (k, val) = name.split_once('=').unwrap();
-            let val: f32 = val.parse().unwrap();
-            match k {
-                "top_p" => apply_top_p(&mut v, val),
-                "min_p" => apply_min_p(&mut v, val),
-                "top_k" => apply_top_k(&mut v, val as usize),
-                other => panic!("unknown case {other}"),
-            }
-        }
-        assert_eq!(kept(&v), want, "{name}");
+            filter(k, val.parse().unwrap(), vocab)
+        };
+        let kept = reference_kept(&x, &p).unwrap();
+        assert_eq!(kept, want, "{name}");
+        assert_draws_within(&x, &p, &kept, name);
         checked += 1;
     }
     assert_eq!(checked, 8);
+
+    let ties: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("sampler_tie_cases.json")).unwrap(),
+    )
+    .unwrap();
+    let mut checked = 0;
+    for case in ties["cases"].as_array().unwrap() {
+        let row: Vec<f32> = ties["rows"][case["row"].as_str().unwrap()]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().map_or(f32::NEG_INFINITY, |v| v as f32))
+            .collect();
+        let f = case["filter"].as_str().unwrap();
+        let p = if f == "chain" {
+            let v = case["value"].as_array().unwrap();
+            SamplerParams {
+                temperature: 1.0,
+                top_p: v[0].as_f64().unwrap() as f32,
+                min_p: v[1].as_f64().unwrap() as f32,
+                top_k: v[2].as_u64().unwrap() as usize,
+                ..SamplerParams::default()
+            }
+            .resolve(row.len())
+        } else {
+            filter(f, case["value"].as_f64().unwrap() as f32, row.len())
+        };
+        let want: Vec<u32> = case["kept"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let kept = reference_kept(&row, &p).unwrap();
+        assert_eq!(kept, want, "{case}");
+        assert_draws_within(&row, &p, &kept, &case.to_string());
+        checked += 1;
+    }
+    assert!(checked > 90, "{checked}");
 }
 
 fn bot() -> Command {

@@ -5,7 +5,9 @@
 // threadgroup memory exactly because threadgroups run one at a time. What this cannot show:
 // the Metal compiler accepting the source, GPU scheduling, and speed.
 #pragma once
+#include <atomic>
 #include <barrier>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -13,6 +15,7 @@
 #include <vector>
 
 typedef uint32_t uint;
+typedef uint64_t ulong;
 typedef uint16_t ushort;
 typedef uint8_t uchar;
 typedef _Float16 half;
@@ -50,8 +53,31 @@ inline float simd_sum(float v) {
     return s;
 }
 
-enum class mem_flags { mem_none, mem_device, mem_threadgroup };
+enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2 };
+inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
 inline void threadgroup_barrier(mem_flags) { t_tg->arrive_and_wait(); }
+
+// Metal's 32-bit atomics (relaxed order is all the kernels ask for).
+struct atomic_uint {
+    std::atomic<uint> v;
+};
+enum metal_memory_order { memory_order_relaxed };
+inline void atomic_store_explicit(atomic_uint* a, uint v, metal_memory_order) {
+    a->v.store(v, std::memory_order_relaxed);
+}
+inline uint atomic_load_explicit(atomic_uint* a, metal_memory_order) {
+    return a->v.load(std::memory_order_relaxed);
+}
+inline uint atomic_fetch_add_explicit(atomic_uint* a, uint v, metal_memory_order) {
+    return a->v.fetch_add(v, std::memory_order_relaxed);
+}
+
+// metal::precise: the host's libm, the same functions Rust's f32 calls; fma is exact anywhere.
+namespace precise {
+inline float exp(float x) { return std::exp(x); }
+inline float log(float x) { return std::log(x); }
+}  // namespace precise
+inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
 
 // What one lane is told about where it is.
 struct Lane {

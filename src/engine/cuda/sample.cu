@@ -1,0 +1,40 @@
+// CUDA entry of the on-device sampler (kernels/sample.h): one block of up to 1024 threads reads
+// the logits the head just wrote (L2-resident) and leaves only the token, its log-probability
+// and a flag for the host (src/engine/cuda_fused.rs in the step's graph; src/engine/sample_cuda.rs
+// for the candle-op path and the tests).
+
+#include <stdint.h>
+#include "common.cuh"
+
+typedef unsigned int uint;
+typedef unsigned char uchar;
+typedef unsigned long long k_u64;
+typedef unsigned long long KHIST;
+#define KDEV
+#define KSHM
+#define KBARRIER() __syncthreads()
+
+__device__ __forceinline__ void hist_clear(KHIST* h, uint b) { h[b] = 0; }
+__device__ __forceinline__ void hist_add(KHIST* h, uint b, k_u64 v) { atomicAdd(h + b, v); }
+__device__ __forceinline__ k_u64 hist_get(KHIST* h, uint b) { return *(volatile KHIST*)(h + b); }
+__device__ __forceinline__ float kfma(float a, float b, float c) { return fmaf(a, b, c); }
+__device__ __forceinline__ float kmul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float kadd(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float klog(float x) { return logf(x); }
+__device__ __forceinline__ float krint(float x) { return rintf(x); }
+__device__ __forceinline__ uint f2u(float v) { return __float_as_uint(v); }
+__device__ __forceinline__ float u2f(uint v) { return __uint_as_float(v); }
+
+#define KFN __device__ __forceinline__
+#include "../kernels/sample.h"
+
+extern "C" __global__ void __launch_bounds__(1024)
+    sample_f32(const float* x_in, float* x, uint V, SampleParams p, const SampleState* st,
+               uint* out, uchar* keep, uint want_keep) {
+    PDL_ENTRY();
+    __shared__ k_u64 red[1024];
+    __shared__ KHIST hist[SAMPLE_HIST_BINS];
+    __shared__ k_u64 misc[4];
+    sample_block(x_in, x, V, p, st, out, keep, want_keep != 0, red, hist, misc, threadIdx.x,
+                 blockDim.x);
+}

@@ -1,0 +1,357 @@
+//! The CPU sampler: the rules of `sample.rs` in three passes over the logits (max; the
+//! exponentials, their total mass and the tokens near the top; the draw over the kept ones),
+//! with thresholds found by selection among the candidates, never by sorting the vocabulary.
+//! The exponential pass is AVX2+FMA where the CPU has it (`exp_neg` computed 8 lanes at a time,
+//! the same bits as the scalar form). Buffers are kept between tokens.
+
+use super::sample::{
+    apply_penalty, best_draw, exp_neg, mass, max_argmax, rank, top_p_limit, Draw, KernelParams,
+    NonFinite, Sampled,
+};
+
+/// The sampler first looks only at tokens within this many nats of the most likely one.
+const CANDIDATE_CUT: f32 = -16.0;
+
+#[derive(Debug, Clone, Copy)]
+struct Cand {
+    v: f32,
+    i: u32,
+    q: u64,
+}
+
+/// The CPU sampler: one pass for the max, one for the exponentials (and the tokens within
+/// `CANDIDATE_CUT` of the max), then thresholds found by selection among those candidates
+/// (all tokens only when they cannot decide, e.g. nearly flat distributions). Its buffers are
+/// kept between tokens.
+#[derive(Debug, Default)]
+pub struct CpuSampler {
+    pool: Vec<Cand>,
+}
+
+impl CpuSampler {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Samples from `logits` (penalized in place first; `recent`: distinct ids).
+    pub fn sample(
+        &mut self,
+        logits: &mut [f32],
+        recent: &[u32],
+        p: &KernelParams,
+        d: Draw,
+    ) -> Result<Sampled, NonFinite> {
+        apply_penalty(logits, recent, p.penalty);
+        let x = &*logits;
+        let (m, arg) = max_and_first(x)?;
+        self.pool.clear();
+        // one pass: the normalizer, the total mass, and the candidates near the top
+        let Pass { sum, total, cmass } = exp_pass(x, m, &mut self.pool);
+        let lse = m + sum.ln() as f32;
+        if p.greedy != 0 {
+            return Ok(Sampled {
+                id: arg,
+                logprob: x[arg as usize] - lse,
+            });
+        }
+        // The candidates decide when the kept set cannot reach below them: top-p's mass is
+        // reached among them, min-p's floor is above the cut, or top-k finds k of them.
+        let mut all = self.pool.len() == x.len();
+        let mut decided = all || p.ln_min_p >= CANDIDATE_CUT;
+        let mut tau = f32::NEG_INFINITY;
+        if p.top_p24 != 0 {
+            let limit = top_p_limit(total, p.top_p24);
+            if cmass < limit && !all {
+                self.fill_all(x, m);
+                all = true;
+            }
+            decided = true;
+            tau = top_p_threshold(&mut self.pool, limit);
+        }
+        let keep = |c: &Cand| c.v >= tau && c.v - m >= p.ln_min_p && c.v > f32::NEG_INFINITY;
+        self.pool.retain(keep);
+        let k = p.top_k as usize;
+        if !(decided || all || (k != 0 && self.pool.len() >= k)) {
+            self.fill_all(x, m);
+            self.pool.retain(keep);
+        }
+        if k != 0 && self.pool.len() > k {
+            self.pool
+                .select_nth_unstable_by(k - 1, |a, b| rank((a.v, a.i), (b.v, b.i)));
+            self.pool.truncate(k);
+        }
+        let id = best_draw(self.pool.iter().map(|c| (c.v, c.i)), m, p.inv_temp, d);
+        Ok(Sampled {
+            id,
+            logprob: x[id as usize] - lse,
+        })
+    }
+
+    fn fill_all(&mut self, x: &[f32], m: f32) {
+        self.pool.clear();
+        self.pool.extend(x.iter().enumerate().map(|(i, &v)| Cand {
+            v,
+            i: i as u32,
+            q: mass(exp_neg(v - m)),
+        }));
+    }
+}
+
+/// The smallest value in `pool` whose strictly-greater mass is below `limit`. `pool` holds
+/// every token at least as likely as its least likely member (an up-set), so that mass is
+/// known within it. Weighted quickselect: expected linear time, `pool` reordered.
+fn top_p_threshold(pool: &mut [Cand], limit: u64) -> f32 {
+    let (mut lo, mut hi, mut base) = (0, pool.len(), 0u64);
+    let mut best = f32::INFINITY;
+    while lo < hi {
+        let s = &mut pool[lo..hi];
+        let pivot = median3(s);
+        let (gt, eq) = partition3(s, pivot);
+        let above = base + s[..gt].iter().map(|c| c.q).sum::<u64>();
+        if above < limit {
+            best = pivot;
+            base = above + s[gt..gt + eq].iter().map(|c| c.q).sum::<u64>();
+            lo += gt + eq;
+        } else {
+            hi = lo + gt;
+        }
+    }
+    best
+}
+
+fn median3(s: &[Cand]) -> f32 {
+    let (a, b, c) = (s[0].v, s[s.len() / 2].v, s[s.len() - 1].v);
+    a.max(b).min(a.min(b).max(c))
+}
+
+/// Reorders `s` as [> pivot][== pivot][< pivot]; returns the first two lengths.
+fn partition3(s: &mut [Cand], pivot: f32) -> (usize, usize) {
+    let (mut gt, mut i, mut lt) = (0, 0, s.len());
+    while i < lt {
+        if s[i].v > pivot {
+            s.swap(gt, i);
+            gt += 1;
+            i += 1;
+        } else if s[i].v < pivot {
+            lt -= 1;
+            s.swap(i, lt);
+        } else {
+            i += 1;
+        }
+    }
+    (gt, lt - gt)
+}
+
+/// What the exponential pass gathers.
+struct Pass {
+    /// Sum of exp(x - M), for the normalizer.
+    sum: f64,
+    /// Total fixed-point mass.
+    total: u64,
+    /// Mass of the candidates pushed.
+    cmass: u64,
+}
+
+/// `max_argmax` (first index of the max; NaN, +inf or nothing finite an error), vectorized.
+fn max_and_first(x: &[f32]) -> Result<(f32, u32), NonFinite> {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        return unsafe { avx2::max_and_first(x) };
+    }
+    max_argmax(x)
+}
+
+/// exp(x - m) of every logit: the normalizer, the total mass, and the tokens within
+/// `CANDIDATE_CUT` of `m` pushed to `pool`.
+fn exp_pass(x: &[f32], m: f32, pool: &mut Vec<Cand>) -> Pass {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX2 and FMA (checked just above).
+        return unsafe { avx2::exp_pass(x, m, pool) };
+    }
+    exp_pass_scalar(
+        x,
+        m,
+        pool,
+        0,
+        Pass {
+            sum: 0.0,
+            total: 0,
+            cmass: 0,
+        },
+    )
+}
+
+/// The scalar pass from `start` on, continuing `acc`.
+#[inline(always)]
+fn exp_pass_scalar(x: &[f32], m: f32, pool: &mut Vec<Cand>, start: usize, mut acc: Pass) -> Pass {
+    for (i, &v) in x.iter().enumerate().skip(start) {
+        let e = exp_neg(v - m);
+        acc.sum += e as f64;
+        let q = mass(e);
+        acc.total += q;
+        if v - m >= CANDIDATE_CUT {
+            pool.push(Cand { v, i: i as u32, q });
+            acc.cmass += q;
+        }
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+    use crate::engine::sample::exp_consts::*;
+    use std::arch::x86_64::*;
+
+    /// `exp_neg` on 8 lanes: the same operations in the same order, so the same bits.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp_neg8(x: __m256) -> __m256 {
+        let valid = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(FLOOR));
+        let x = _mm256_max_ps(x, _mm256_set1_ps(FLOOR));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
+        );
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-C1), x);
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-C2), r);
+        let mut p = _mm256_set1_ps(P[0]);
+        for c in &P[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
+        }
+        let y = _mm256_add_ps(
+            _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
+            _mm256_set1_ps(1.0),
+        );
+        let e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+        let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e));
+        _mm256_and_ps(_mm256_mul_ps(y, pow2), valid)
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn max_and_first(x: &[f32]) -> Result<(f32, u32), NonFinite> {
+        let chunks = x.len() / 8;
+        let inf = _mm256_set1_ps(f32::INFINITY);
+        let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
+        // lanes stay all-ones while every value is below +inf (NaN compares false)
+        let mut ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+        for c in 0..chunks {
+            let v = _mm256_loadu_ps(x.as_ptr().add(8 * c));
+            ok = _mm256_and_ps(ok, _mm256_cmp_ps::<_CMP_LT_OQ>(v, inf));
+            mx = _mm256_max_ps(mx, v);
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), mx);
+        let mut m = lanes.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut bad = _mm256_movemask_ps(ok) != 0xFF;
+        for &v in &x[8 * chunks..] {
+            bad |= v.is_nan() || v == f32::INFINITY;
+            m = m.max(v);
+        }
+        if bad || m == f32::NEG_INFINITY {
+            return Err(NonFinite);
+        }
+        // the first index holding the max (as `v > m` scanning in order finds it)
+        let mv = _mm256_set1_ps(m);
+        for c in 0..chunks {
+            let hit = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(
+                _mm256_loadu_ps(x.as_ptr().add(8 * c)),
+                mv,
+            ));
+            if hit != 0 {
+                return Ok((m, (8 * c) as u32 + hit.trailing_zeros()));
+            }
+        }
+        let i = x[8 * chunks..].iter().position(|&v| v == m).unwrap_or(0);
+        Ok((m, (8 * chunks + i) as u32))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn exp_pass(x: &[f32], m: f32, pool: &mut Vec<Cand>) -> Pass {
+        let (mv, cut) = (_mm256_set1_ps(m), _mm256_set1_ps(CANDIDATE_CUT));
+        let mut sums = [_mm256_setzero_ps(); 2];
+        let mut totals = _mm256_setzero_si256();
+        let mut cmass = 0u64;
+        let mut lanes = [0f32; 8];
+        // e * 2^40 + 2^52 in f64 rounds to an integer (half to even, as `mass`) held in the
+        // low mantissa bits: the mass is those bits minus the magic's
+        let (scale, magic) = (
+            _mm256_set1_pd((1u64 << 40) as f64),
+            _mm256_set1_pd(4_503_599_627_370_496.0),
+        );
+        let chunks = x.len() / 8;
+        for c in 0..chunks {
+            let v = _mm256_loadu_ps(x.as_ptr().add(8 * c));
+            let d = _mm256_sub_ps(v, mv);
+            let e = exp_neg8(d);
+            sums[c & 1] = _mm256_add_ps(sums[c & 1], e);
+            for half in [_mm256_castps256_ps128(e), _mm256_extractf128_ps::<1>(e)] {
+                let q = _mm256_add_pd(_mm256_mul_pd(_mm256_cvtps_pd(half), scale), magic);
+                let q = _mm256_sub_epi64(_mm256_castpd_si256(q), _mm256_castpd_si256(magic));
+                totals = _mm256_add_epi64(totals, q);
+            }
+            let mut near = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(d, cut)) as u32;
+            if near != 0 {
+                _mm256_storeu_ps(lanes.as_mut_ptr(), e);
+            }
+            while near != 0 {
+                let l = near.trailing_zeros() as usize;
+                near &= near - 1;
+                let q = mass(lanes[l]);
+                pool.push(Cand {
+                    v: x[8 * c + l],
+                    i: (8 * c + l) as u32,
+                    q,
+                });
+                cmass += q;
+            }
+        }
+        let mut s = [0f32; 16];
+        _mm256_storeu_ps(s.as_mut_ptr(), sums[0]);
+        _mm256_storeu_ps(s.as_mut_ptr().add(8), sums[1]);
+        let mut t = [0u64; 4];
+        _mm256_storeu_si256(t.as_mut_ptr().cast(), totals);
+        let acc = Pass {
+            sum: s.iter().map(|&v| v as f64).sum(),
+            total: t.iter().sum(),
+            cmass,
+        };
+        exp_pass_scalar(x, m, pool, 8 * chunks, acc)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        /// The 8-lane exp is the scalar one, bit for bit, over the whole range it takes.
+        #[test]
+        fn vector_exp_matches_the_scalar_bits() {
+            if !(std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
+                eprintln!("skipped: this CPU has no AVX2+FMA");
+                return;
+            }
+            let mut xs: Vec<f32> = (0..200_000).map(|i| -(i as f32) * 0.000_45).collect();
+            xs.extend([
+                0.0,
+                -0.0,
+                -86.99,
+                -87.0,
+                -87.01,
+                -1e9,
+                f32::NEG_INFINITY,
+                -1e-30,
+            ]);
+            xs.resize(xs.len().next_multiple_of(8), -3.0);
+            for c in xs.chunks_exact(8) {
+                let mut out = [0f32; 8];
+                // SAFETY: AVX2 and FMA checked above.
+                unsafe {
+                    _mm256_storeu_ps(out.as_mut_ptr(), exp_neg8(_mm256_loadu_ps(c.as_ptr())))
+                };
+                for (x, y) in c.iter().zip(out) {
+                    assert_eq!(y.to_bits(), exp_neg(*x).to_bits(), "exp({x})");
+                }
+            }
+        }
+    }
+}
