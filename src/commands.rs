@@ -150,10 +150,11 @@ impl Progress {
 
 pub fn report_post(p: &Post, i: usize, n: usize) {
     eprintln!(
-        "post {}/{}: {} prompt tokens at {:.1} tok/s, {} tokens at {:.1} tok/s, {} attempt(s), seed {}",
+        "post {}/{}: {} prompt tokens ({} cached) at {:.1} tok/s, {} tokens at {:.1} tok/s, {} attempt(s), seed {}",
         i + 1,
         n,
         p.prompt_tokens,
+        p.prompt_tokens_reused,
         p.prefill_tok_s,
         p.tokens,
         p.decode_tok_s,

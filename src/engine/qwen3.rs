@@ -676,21 +676,17 @@ impl Qwen3 {
         Ok(())
     }
 
-    /// Keeps the longest cached prefix of `ids` (all but its last token at most, which must
-    /// run to give logits) and returns its length: the caller runs `&ids[n..]`. A prompt
-    /// that starts like the previous one (the same system turn, a retry) skips that prefill.
-    pub fn reuse_prefix(&mut self, ids: &[u32]) -> Result<usize> {
-        let common = self
-            .cached
-            .iter()
-            .zip(ids)
-            .take_while(|(a, b)| a == b)
-            .count()
-            .min(ids.len().saturating_sub(1));
-        if common < self.cached.len() {
-            self.truncate(common)?;
+    /// Whether the cache starts with exactly `prefix`: then it is cut back to it and the
+    /// caller continues after it; else the cache is emptied. (A prefix reused only where it
+    /// matches whole was computed as the same chunk as a fresh run would compute it, so the
+    /// results are the same bits either way.)
+    pub fn keep_prefix(&mut self, prefix: &[u32]) -> Result<bool> {
+        if self.cached.len() >= prefix.len() && self.cached[..prefix.len()] == *prefix {
+            self.truncate(prefix.len())?;
+            return Ok(true);
         }
-        Ok(common)
+        self.reset();
+        Ok(false)
     }
 
     /// Projections (and the head) running on candle's Q4_1 kernels after `--qmatmul repack`.

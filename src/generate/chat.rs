@@ -12,6 +12,18 @@ pub const NO_THINK: &str = " /no_think";
 
 /// `<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{prompt} /no_think<|im_end|>\n<|im_start|>assistant\n`
 pub fn render(system: Option<&str>, prompt: &str) -> String {
+    let mut s = shared_prefix(system);
+    s.push_str(prompt.trim());
+    if !prompt.trim_end().ends_with(NO_THINK.trim()) {
+        s.push_str(NO_THINK);
+    }
+    s.push_str("<|im_end|>\n<|im_start|>assistant\n");
+    s
+}
+
+/// The start of `render(system, _)` that every instruction shares: the system turn and the user
+/// turn's header.
+pub fn shared_prefix(system: Option<&str>) -> String {
     let mut s = String::new();
     if let Some(sys) = system.filter(|s| !s.trim().is_empty()) {
         s.push_str("<|im_start|>system\n");
@@ -19,11 +31,6 @@ pub fn render(system: Option<&str>, prompt: &str) -> String {
         s.push_str("<|im_end|>\n");
     }
     s.push_str("<|im_start|>user\n");
-    s.push_str(prompt.trim());
-    if !prompt.trim_end().ends_with(NO_THINK.trim()) {
-        s.push_str(NO_THINK);
-    }
-    s.push_str("<|im_end|>\n<|im_start|>assistant\n");
     s
 }
 

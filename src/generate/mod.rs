@@ -102,6 +102,9 @@ pub struct Post {
     pub tokens: usize,
     pub attempts: usize,
     pub prompt_tokens: usize,
+    /// Prompt tokens whose keys and values came from the cache (the shared system turn and
+    /// header, when the previous post of the run had the same).
+    pub prompt_tokens_reused: usize,
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
     pub seconds: f64,
@@ -133,6 +136,7 @@ struct Completion {
     raw: String,
     tokens: usize,
     prompt_tokens: usize,
+    reused: usize,
     prefill_s: f64,
     decode_s: f64,
     finished: bool,
@@ -150,12 +154,16 @@ impl Generator {
         Ok(Generator { model, tokenizer })
     }
 
-    /// One generation: the prompt (its cached prefix reused), then up to `max_tokens` tokens,
-    /// each drawn with `Draw { seed, counter: attempt << 32 | index }`. Per token: one sampled
-    /// id back from the model, one detokenizer step (a window of a few ids), one event.
+    /// One generation: the prompt in two chunks (`prompt_ids[..split]`, the part posts share,
+    /// taken from the cache when it holds exactly that; then the rest), then up to
+    /// `max_tokens` tokens, each drawn with `Draw { seed, counter: attempt << 32 | index }`.
+    /// Per token: one sampled id back from the model, one detokenizer step (a window of a few
+    /// ids), one event.
+    #[allow(clippy::too_many_arguments)]
     fn complete(
         &mut self,
         prompt_ids: &[u32],
+        split: usize,
         sampler: &SamplerParams,
         seed: u64,
         attempt: usize,
@@ -194,8 +202,12 @@ impl Generator {
             })
         };
         let t0 = Instant::now();
-        let reused = self.model.reuse_prefix(prompt_ids)?;
-        let mut tok = sample(&mut self.model, &prompt_ids[reused..], 0, &history)?;
+        let reused = self.model.keep_prefix(&prompt_ids[..split])?;
+        if !reused && split > 0 {
+            // computed as a chunk of its own, as when it is reused
+            self.model.next_logits(&prompt_ids[..split])?;
+        }
+        let mut tok = sample(&mut self.model, &prompt_ids[split..], 0, &history)?;
         let prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let mut stream = TextStream::new(&self.tokenizer);
@@ -223,6 +235,7 @@ impl Generator {
             raw: self.tokenizer.decode(&generated)?,
             tokens: generated.len(),
             prompt_tokens: prompt_ids.len(),
+            reused: if reused { split } else { 0 },
             prefill_s,
             decode_s: t1.elapsed().as_secs_f64(),
             finished,
@@ -248,6 +261,15 @@ impl Generator {
         let prompt_ids = self
             .tokenizer
             .encode(&chat::render(req.system.as_deref(), &prompt))?;
+        // where the shared chunk ends (none when its tokens are not a prefix of the prompt's)
+        let shared = self
+            .tokenizer
+            .encode(&chat::shared_prefix(req.system.as_deref()))?;
+        let split = if prompt_ids.len() > shared.len() && prompt_ids.starts_with(&shared) {
+            shared.len()
+        } else {
+            0
+        };
         let seed: u64 = rng.random();
         let start = Instant::now();
         let mut last_len = 0;
@@ -255,6 +277,7 @@ impl Generator {
             on_event(Event::Attempt { attempt });
             let c = self.complete(
                 &prompt_ids,
+                split,
                 &req.sampler,
                 seed,
                 attempt,
@@ -272,7 +295,8 @@ impl Generator {
                     tokens: c.tokens,
                     attempts: attempt,
                     prompt_tokens: c.prompt_tokens,
-                    prefill_tok_s: c.prompt_tokens as f64 / c.prefill_s.max(1e-9),
+                    prompt_tokens_reused: c.reused,
+                    prefill_tok_s: (c.prompt_tokens - c.reused) as f64 / c.prefill_s.max(1e-9),
                     decode_tok_s: c.tokens as f64 / c.decode_s.max(1e-9),
                     seconds: start.elapsed().as_secs_f64(),
                     finished: c.finished,

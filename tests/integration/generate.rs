@@ -286,6 +286,41 @@ fn generate_json_is_reproducible_per_seed() {
     assert_eq!(a[1]["text"], c[0]["text"]);
 }
 
+/// The system turn is prefilled once per run and reused from the cache by later posts; a reused
+/// post is the same one a fresh run of its seed writes (same tokens, same log-probabilities).
+#[test]
+fn cached_system_turn_changes_nothing() {
+    let system = "You write short, dry posts about small engineering pleasures, in the first \
+                  person, without hashtags or emoji, as a tired but cheerful developer would.";
+    let run = |seed: &str, n: &str| -> Vec<Value> {
+        let out = generate(&["-n", n, "--seed", seed, "--json", "-q", "--system", system]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let batch = run("20", "3");
+    assert_eq!(batch.len(), 3);
+    assert_eq!(batch[0]["prompt_tokens_reused"], 0);
+    for (i, post) in batch.iter().enumerate() {
+        if i > 0 {
+            let reused = post["prompt_tokens_reused"].as_u64().unwrap();
+            assert!(reused > 30, "post {i} reused {reused} tokens");
+        }
+        let alone = &run(&(20 + i).to_string(), "1")[0];
+        assert_eq!(alone["prompt_tokens_reused"], 0);
+        for k in ["raw", "text", "tokens", "mean_logprob"] {
+            assert_eq!(post[k], alone[k], "post {i}: {k}");
+        }
+    }
+}
+
 #[test]
 fn impossible_min_chars_fails_with_empty_stdout() {
     let out = generate(&["--min-chars", "100000", "--attempts", "2", "--seed", "3"]);
