@@ -10,13 +10,17 @@ typedef unsigned int uint;
 typedef unsigned char uchar;
 typedef unsigned long long k_u64;
 typedef unsigned long long KHIST;
+typedef unsigned int KCOUNT;
 #define KDEV
 #define KSHM
 #define KBARRIER() __syncthreads()
 
 __device__ __forceinline__ void hist_clear(KHIST* h, uint b) { h[b] = 0; }
 __device__ __forceinline__ void hist_add(KHIST* h, uint b, k_u64 v) { atomicAdd(h + b, v); }
-__device__ __forceinline__ k_u64 hist_get(KHIST* h, uint b) { return *(volatile KHIST*)(h + b); }
+__device__ __forceinline__ k_u64 hist_get(KHIST* h, uint b) { return h[b]; }
+__device__ __forceinline__ void count_clear(KCOUNT* c) { *c = 0; }
+__device__ __forceinline__ uint count_add(KCOUNT* c, uint v) { return atomicAdd(c, v); }
+__device__ __forceinline__ uint count_get(KCOUNT* c) { return *c; }
 __device__ __forceinline__ float kfma(float a, float b, float c) { return fmaf(a, b, c); }
 __device__ __forceinline__ float kmul(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ float kadd(float a, float b) { return __fadd_rn(a, b); }
@@ -30,11 +34,12 @@ __device__ __forceinline__ float u2f(uint v) { return __uint_as_float(v); }
 
 extern "C" __global__ void __launch_bounds__(1024)
     sample_f32(const float* x_in, float* x, uint V, SampleParams p, const SampleState* st,
-               uint* out, uchar* keep, uint want_keep) {
+               uint* out, uint* cand, uchar* keep, uint want_keep) {
     PDL_ENTRY();
     __shared__ k_u64 red[1024];
     __shared__ KHIST hist[SAMPLE_HIST_BINS];
     __shared__ k_u64 misc[4];
-    sample_block(x_in, x, V, p, st, out, keep, want_keep != 0, red, hist, misc, threadIdx.x,
-                 blockDim.x);
+    __shared__ KCOUNT count;
+    sample_block(x_in, x, V, p, st, out, cand, keep, want_keep != 0, red, hist, misc, &count,
+                 threadIdx.x, blockDim.x);
 }

@@ -11,7 +11,8 @@
 //   KBARRIER()  a barrier over the block that also orders its device-memory accesses
 //   k_u64       a 64-bit unsigned integer; KHIST, a histogram slot, with
 //   hist_clear(KSHM KHIST* h, uint b), hist_add(KSHM KHIST* h, uint b, k_u64 v),
-//   hist_get(KSHM KHIST* h, uint b)
+//   hist_get(KSHM KHIST* h, uint b); KCOUNT, a counter, with count_clear(KSHM KCOUNT* c),
+//   count_add(KSHM KCOUNT* c, uint v) (returns the value before) and count_get
 //   KFN         the qualifiers of a helper function (CUDA: __device__ __forceinline__)
 //   kfma, kmul, kadd  f32 fused multiply-add, multiply and add that the compiler may not
 //               contract or reorder (so `sample_exp` gives the same bits everywhere)
@@ -20,9 +21,12 @@
 // -inf logits are masked tokens: never kept (the most likely token is finite and always is).
 //
 // Steps (nt threads, a power of two from 32 to 1024): copy (when x_in != x) and the repetition
-// penalty; max and first argmax; exp, the normalizer and total mass; for top-p a radix select on
-// the value's order key (11 + 11 + 10 bits, masses as weights) for the least likely kept value;
-// for top-k a radix select by count, and one on the index for ties; the Gumbel-max draw.
+// penalty; max and first argmax; exp, the normalizer and total mass, the tokens of non-zero
+// mass compacted into `cand`; then, over those candidates (over the whole vocabulary only when
+// the kept set could reach past them): for top-p a radix select on the value's order key
+// (11 + 11 + 10 bits, masses as weights) for the least likely kept value; for top-k a radix
+// select by count, and one on the index for ties; the Gumbel-max draw. Only the first two steps
+// read every logit.
 
 #define SAMPLE_MAX_RECENT 64
 #define SAMPLE_HIST_BINS 2048
@@ -179,12 +183,23 @@ KFN void clear_hist(KSHM KHIST* h, uint nbins, uint tid, uint nt) {
     KBARRIER();
 }
 
+// The token at position j of the pool later steps walk: the candidates (every token of
+// non-zero mass, compacted in the exponential pass) when the kept set must lie among them,
+// else the whole vocabulary.
+KFN float pool_val(bool use_cand, const KDEV float* x, const KDEV uint* cand, uint j) {
+    return use_cand ? u2f(cand[2 * j]) : x[j];
+}
+KFN uint pool_idx(bool use_cand, const KDEV uint* cand, uint j) {
+    return use_cand ? cand[2 * j + 1] : j;
+}
+
 // out[0] the token, out[1] its log-probability's bits, out[2] 1 when the logits held NaN or
-// +inf or nothing finite. With `want_keep`, keep[i] = whether token i was kept (for tests).
+// +inf or nothing finite. `cand` is workspace for 2 * V words. With `want_keep`, keep[i] =
+// whether token i was kept (for tests).
 KFN void sample_block(const KDEV float* x_in, KDEV float* x, uint V, SampleParams p,
-                         const KDEV SampleState* st, KDEV uint* out, KDEV uchar* keep,
-                         bool want_keep, KSHM k_u64* red, KSHM KHIST* hist, KSHM k_u64* misc,
-                         uint tid, uint nt) {
+                      const KDEV SampleState* st, KDEV uint* out, KDEV uint* cand,
+                      KDEV uchar* keep, bool want_keep, KSHM k_u64* red, KSHM KHIST* hist,
+                      KSHM k_u64* misc, KSHM KCOUNT* count, uint tid, uint nt) {
     if (x_in != x) {
         for (uint i = tid; i < V; i += nt) x[i] = x_in[i];
         KBARRIER();
@@ -224,23 +239,36 @@ KFN void sample_block(const KDEV float* x_in, KDEV float* x, uint V, SampleParam
         return;
     }
 
-    const bool top_p = p.greedy == 0 && p.top_p24 != 0;
+    // the normalizer, the total mass, the candidates and top-p's first histogram; below
+    // e^-29 a token's mass is 0 and its share of the normalizer under 1e-12, so its
+    // exponential is skipped
+    const bool greedy = p.greedy != 0;
+    const bool top_p = !greedy && p.top_p24 != 0;
     if (top_p) clear_hist(hist, SAMPLE_HIST_BINS, tid, nt);
+    if (tid == 0) count_clear(count);
+    KBARRIER();
     float se = 0.0f;
     k_u64 total = 0;
     for (uint i = tid; i < V; i += nt) {
-        float v = x[i];
-        float e = sample_exp(v - m);
-        se += e;
-        k_u64 q = sample_mass(e);
-        total += q;
-        if (top_p && q != 0) hist_add(hist, sample_key(v) >> 21, q);
+        const float v = x[i];
+        const float d = v - m;
+        if (d >= -29.0f) {
+            const float e = sample_exp(d);
+            se += e;
+            const k_u64 q = sample_mass(e);
+            if (q != 0 && !greedy) {
+                total += q;
+                const uint slot = count_add(count, 1u);
+                cand[2 * slot] = f2u(v);
+                cand[2 * slot + 1] = i;
+                if (top_p) hist_add(hist, sample_key(v) >> 21, q);
+            }
+        }
     }
     KBARRIER();
     se = block_sum_f32(se, red, tid, nt);
-    total = block_sum_u64(total, red, tid, nt);
     const float lse = m + klog(se);
-    if (p.greedy != 0) {
+    if (greedy) {
         if (tid == 0) {
             out[0] = arg;
             out[1] = f2u(x[arg] - lse);
@@ -248,6 +276,14 @@ KFN void sample_block(const KDEV float* x_in, KDEV float* x, uint V, SampleParam
         }
         return;
     }
+    total = block_sum_u64(total, red, tid, nt);
+    const uint n_cand = count_get(count);
+    const float lnm = p.ln_min_p;
+    // The kept set lies among the candidates when top-p is on (a token of zero mass has all
+    // the mass above it), when min-p's floor is within e^-28 (mass >= 1 there), or when top-k
+    // finds its k among them. Else (plain temperature, a loose top-k) the whole vocabulary.
+    const bool use_cand = top_p || lnm >= -28.0f || (p.top_k != 0 && n_cand >= p.top_k);
+    const uint n = use_cand ? n_cand : V;
 
     // top-p: the least likely kept value's key, three digits at a time
     uint tau = 0;
@@ -256,8 +292,8 @@ KFN void sample_block(const KDEV float* x_in, KDEV float* x, uint V, SampleParam
         Crossing c = find_crossing(hist, 2048, true, limit, 0, red, misc, tid, nt);
         uint prefix = c.bin;
         clear_hist(hist, 2048, tid, nt);
-        for (uint i = tid; i < V; i += nt) {
-            float v = x[i];
+        for (uint j = tid; j < n; j += nt) {
+            float v = pool_val(use_cand, x, cand, j);
             uint key = sample_key(v);
             if ((key >> 21) == prefix) hist_add(hist, (key >> 10) & 2047u, sample_mass(sample_exp(v - m)));
         }
@@ -265,8 +301,8 @@ KFN void sample_block(const KDEV float* x_in, KDEV float* x, uint V, SampleParam
         c = find_crossing(hist, 2048, true, limit, c.before, red, misc, tid, nt);
         prefix = (prefix << 11) | c.bin;
         clear_hist(hist, 1024, tid, nt);
-        for (uint i = tid; i < V; i += nt) {
-            float v = x[i];
+        for (uint j = tid; j < n; j += nt) {
+            float v = pool_val(use_cand, x, cand, j);
             uint key = sample_key(v);
             if ((key >> 10) == prefix) hist_add(hist, key & 1023u, sample_mass(sample_exp(v - m)));
         }
@@ -274,19 +310,18 @@ KFN void sample_block(const KDEV float* x_in, KDEV float* x, uint V, SampleParam
         c = find_crossing(hist, 1024, true, limit, c.before, red, misc, tid, nt);
         tau = (prefix << 10) | c.bin;
     }
-    const float lnm = p.ln_min_p;
 
     // top-k among the survivors: the k-th key, and for ties at it the highest kept index
     bool cut = false;
     uint kth = 0, ibound = 0xFFFFFFFFu;
     if (p.top_k != 0) {
-        uint n = 0;
-        for (uint i = tid; i < V; i += nt) {
-            float v = x[i];
-            n += (v > -INFINITY && sample_key(v) >= tau && v - m >= lnm) ? 1u : 0u;
+        uint ns = 0;
+        for (uint j = tid; j < n; j += nt) {
+            float v = pool_val(use_cand, x, cand, j);
+            ns += (v > -INFINITY && sample_key(v) >= tau && v - m >= lnm) ? 1u : 0u;
         }
-        n = (uint)block_sum_u64(n, red, tid, nt);
-        if (n > p.top_k) {
+        ns = (uint)block_sum_u64(ns, red, tid, nt);
+        if (ns > p.top_k) {
             cut = true;
             const k_u64 k = p.top_k;
             k_u64 base = 0;
@@ -295,8 +330,8 @@ KFN void sample_block(const KDEV float* x_in, KDEV float* x, uint V, SampleParam
                 const uint shift = level == 0 ? 21u : (level == 1 ? 10u : 0u);
                 const uint bins = level == 2 ? 1024u : 2048u;
                 clear_hist(hist, bins, tid, nt);
-                for (uint i = tid; i < V; i += nt) {
-                    float v = x[i];
+                for (uint j = tid; j < n; j += nt) {
+                    float v = pool_val(use_cand, x, cand, j);
                     uint key = sample_key(v);
                     bool in = v > -INFINITY && key >= tau && v - m >= lnm && (level == 0 || (key >> (shift + (level == 1 ? 11u : 10u))) == prefix);
                     if (in) hist_add(hist, (key >> shift) & (bins - 1), 1);
@@ -313,8 +348,9 @@ KFN void sample_block(const KDEV float* x_in, KDEV float* x, uint V, SampleParam
                     uint hi = 0;
                     for (uint il = 0; il < 2; il++) {
                         clear_hist(hist, 1024, tid, nt);
-                        for (uint i = tid; i < V; i += nt) {
-                            float v = x[i];
+                        for (uint j = tid; j < n; j += nt) {
+                            float v = pool_val(use_cand, x, cand, j);
+                            uint i = pool_idx(use_cand, cand, j);
                             bool in = v > -INFINITY && sample_key(v) == kth && v - m >= lnm && (il == 0 || (i >> 10) == hi);
                             if (in) hist_add(hist, il == 0 ? (i >> 10) : (i & 1023u), 1);
                         }
@@ -331,15 +367,20 @@ KFN void sample_block(const KDEV float* x_in, KDEV float* x, uint V, SampleParam
     }
 
     // the Gumbel-max draw over the kept tokens
+    if (want_keep) {
+        for (uint i = tid; i < V; i += nt) keep[i] = 0;
+        KBARRIER();
+    }
     const k_u64 gkey = sample_mix(st->seed ^ sample_mix(st->counter + 0x9E3779B97F4A7C15ull));
     float bs = -INFINITY;
     uint bi = 0xFFFFFFFFu;
-    for (uint i = tid; i < V; i += nt) {
-        float v = x[i];
-        uint key = sample_key(v);
-        bool kept = v > -INFINITY && key >= tau && v - m >= lnm && (!cut || key > kth || (key == kth && i <= ibound));
-        if (want_keep) keep[i] = kept ? 1 : 0;
+    for (uint j = tid; j < n; j += nt) {
+        const float v = pool_val(use_cand, x, cand, j);
+        const uint i = pool_idx(use_cand, cand, j);
+        const uint key = sample_key(v);
+        const bool kept = v > -INFINITY && key >= tau && v - m >= lnm && (!cut || key > kth || (key == kth && i <= ibound));
         if (kept) {
+            if (want_keep) keep[i] = 1;
             float s = (v - m) * p.inv_temp + sample_gumbel(gkey, i);
             if (s > bs || (s == bs && i < bi)) {
                 bs = s;

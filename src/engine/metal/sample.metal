@@ -43,6 +43,13 @@ inline k_u64 hist_get(KSHM KHIST* h, uint b) {
 
 // The library is compiled with fast math off (quant_metal::pipeline), so these are not
 // contracted or reordered.
+typedef atomic_uint KCOUNT;
+inline void count_clear(KSHM KCOUNT* c) { atomic_store_explicit(c, 0u, memory_order_relaxed); }
+inline uint count_add(KSHM KCOUNT* c, uint v) {
+    return atomic_fetch_add_explicit(c, v, memory_order_relaxed);
+}
+inline uint count_get(KSHM KCOUNT* c) { return atomic_load_explicit(c, memory_order_relaxed); }
+
 inline float kfma(float a, float b, float c) { return fma(a, b, c); }
 inline float kmul(float a, float b) { return a * b; }
 inline float kadd(float a, float b) { return a + b; }
@@ -65,12 +72,14 @@ kernel void sample_f32(device const float* x_in [[buffer(0)]],
                        constant SampleParams& p [[buffer(3)]],
                        device const SampleState* st [[buffer(4)]],
                        device uint* out [[buffer(5)]],
-                       device uchar* keep [[buffer(6)]],
+                       device uint* cand [[buffer(6)]],
+                       device uchar* keep [[buffer(7)]],
                        uint tid [[thread_index_in_threadgroup]],
                        uint nt [[threads_per_threadgroup]]) {
     threadgroup k_u64 red[1024];
     threadgroup KHIST hist[SAMPLE_HIST_BINS];
     threadgroup k_u64 misc[4];
-    sample_block(x_in, x, shape.vocab, p, st, out, keep, shape.want_keep != 0, red, hist, misc,
-                 tid, nt);
+    threadgroup KCOUNT count;
+    sample_block(x_in, x, shape.vocab, p, st, out, cand, keep, shape.want_keep != 0, red, hist,
+                 misc, &count, tid, nt);
 }
