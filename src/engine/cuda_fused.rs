@@ -213,11 +213,9 @@ pub struct FusedQwen3 {
     graph: Option<CudaGraph>,
     /// The sampler the captured graph ends with (`None`: it stops at the logits).
     graph_sampler: Option<KernelParams>,
-    /// The sampler's per-token inputs (`SampleState`), its three output words and its
-    /// candidate workspace (two words a token).
+    /// The sampler's per-token inputs (`SampleState`) and its three output words.
     sample_state: CudaSlice<u8>,
     sample_out: CudaSlice<u32>,
-    sample_cand: CudaSlice<u32>,
     /// While profiling: an event pair around every launch (which then runs eagerly).
     profile: Option<RefCell<Vec<(&'static str, CudaEvent, CudaEvent)>>>,
 }
@@ -455,7 +453,6 @@ impl FusedQwen3 {
             graph_sampler: None,
             sample_state: dev.alloc_zeros::<u8>(std::mem::size_of::<SampleState>())?,
             sample_out: dev.alloc_zeros::<u32>(3)?,
-            sample_cand: dev.alloc_zeros::<u32>(2 * d.vocab)?,
             profile: None,
         })
     }
@@ -1200,7 +1197,6 @@ impl FusedQwen3 {
                 Arg::S(p),
                 Arg::P(ptr(&self.sample_state, st)),
                 Arg::P(out),
-                Arg::P(ptr(&self.sample_cand, st)),
                 Arg::P(out),
                 Arg::I(0),
             ],

@@ -319,19 +319,45 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// Wellons' lowbias32 (`sample_hash32` in the kernels).
+#[inline]
+fn hash32(mut x: u32) -> u32 {
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x7feb_352d);
+    x ^= x >> 15;
+    x = x.wrapping_mul(0x846c_a68b);
+    x ^ (x >> 16)
+}
+
+/// The per-token key of draw `d` (one 64-bit mix of seed and counter).
+#[inline]
+pub fn draw_key(d: Draw) -> u64 {
+    mix(d.seed ^ mix(d.counter.wrapping_add(0x9E37_79B9_7F4A_7C15)))
+}
+
 /// A uniform in (0, 1) for token `i` of draw `d`: 24 bits of a counter-based hash, so any
 /// device computes the same one without a shared random state.
 #[inline]
 pub fn uniform(d: Draw, i: u32) -> f32 {
-    let key = mix(d.seed ^ mix(d.counter.wrapping_add(0x9E37_79B9_7F4A_7C15)));
-    let h = mix(key.wrapping_add((i as u64).wrapping_mul(0xD1B5_4A32_D192_ED03)));
-    ((h >> 40) as f32 + 0.5) * (1.0 / (1u64 << 24) as f32)
+    uniform_keyed(draw_key(d), i)
+}
+
+#[inline]
+fn uniform_keyed(key: u64, i: u32) -> f32 {
+    let h = hash32(hash32(i.wrapping_mul(0x9E37_79B9) ^ key as u32) ^ (key >> 32) as u32);
+    ((h >> 8) as f32 + 0.5) * (1.0 / (1u32 << 24) as f32)
 }
 
 /// The Gumbel variate `-ln(-ln(u))` of `uniform(d, i)`.
 #[inline]
 pub fn gumbel(d: Draw, i: u32) -> f32 {
-    -(-uniform(d, i).ln()).ln()
+    gumbel_keyed(draw_key(d), i)
+}
+
+/// `gumbel` with the draw's key computed once.
+#[inline]
+pub fn gumbel_keyed(key: u64, i: u32) -> f32 {
+    -(-uniform_keyed(key, i).ln()).ln()
 }
 
 /// The distinct ids among the last `context` of `history`, for the penalty.
@@ -460,9 +486,10 @@ pub(crate) fn best_draw(
     inv_temp: f32,
     d: Draw,
 ) -> u32 {
+    let key = draw_key(d);
     let (mut best, mut best_id) = (f32::NEG_INFINITY, u32::MAX);
     for (v, i) in kept {
-        let s = (v - m) * inv_temp + gumbel(d, i);
+        let s = (v - m) * inv_temp + gumbel_keyed(key, i);
         if s > best || (s == best && i < best_id) {
             best = s;
             best_id = i;

@@ -31,8 +31,6 @@ pub(crate) fn sample_fwd(
     // SAFETY: the kernel copies every logit into `work` before reading it.
     let work = unsafe { dev.alloc::<f32>(vocab)? };
     let state = dev.clone_htod(&op.state.to_bytes())?;
-    // SAFETY: the kernel writes each candidate slot before reading it.
-    let cand = unsafe { dev.alloc::<u32>(2 * vocab)? };
     let n = op.out_len(vocab);
     let out = dev.alloc_zeros::<u8>(n)?;
     let func = dev
@@ -48,7 +46,6 @@ pub(crate) fn sample_fwd(
     b.arg(&op.params);
     b.arg(&state);
     b.arg(&head);
-    b.arg(&cand);
     b.arg(&keep);
     b.arg(&want_keep);
     let cfg = LaunchConfig {
@@ -56,8 +53,8 @@ pub(crate) fn sample_fwd(
         block_dim: (THREADS as u32, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: the arguments match sample_f32's signature; `work` holds `vocab` floats, `cand`
-    // 2 * vocab words, `out` 12 bytes plus one per token when the mask is asked for.
+    // SAFETY: the arguments match sample_f32's signature; `work` holds `vocab` floats, `out`
+    // 12 bytes plus one per token when the mask is asked for.
     unsafe { b.launch(cfg) }.w()?;
     Ok((
         CudaStorage::wrap_cuda_slice(out, dev.clone()),

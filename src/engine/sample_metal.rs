@@ -31,7 +31,6 @@ pub(crate) fn sample_fwd(
     }
     let work = dev.new_buffer(vocab, DType::F32, "bot-sample-work")?;
     let state = dev.new_buffer_with_data(&op.state.to_bytes())?;
-    let cand = dev.new_buffer(2 * vocab, DType::U32, "bot-sample-cand")?;
     let n = op.out_len(vocab);
     let out = dev.new_buffer(n, DType::U8, "bot-sample-out")?;
     let shape = SampleShape {
@@ -48,9 +47,8 @@ pub(crate) fn sample_fwd(
     enc.set_bytes(3, &op.params);
     enc.set_input_buffer(4, Some(&state), 0);
     enc.set_output_buffer(5, Some(&out), 0);
-    enc.set_output_buffer(6, Some(&cand), 0);
     // without the mask the kernel never writes `keep`: bind the same buffer at its start
-    enc.set_output_buffer(7, Some(&out), if op.want_keep { 12 } else { 0 });
+    enc.set_output_buffer(6, Some(&out), if op.want_keep { 12 } else { 0 });
     let one = MTLSize {
         width: 1,
         height: 1,

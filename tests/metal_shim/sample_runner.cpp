@@ -34,11 +34,11 @@ int main(int argc, char** argv) {
     }
     std::vector<float> x(shape.vocab), work(shape.vocab, -12345.f);
     std::memcpy(x.data(), xb.data(), xb.size());
-    std::vector<uint> out(3, 0xDEADBEEFu), cand(2 * (size_t)shape.vocab, 0xDEADBEEFu);
+    std::vector<uint> out(3, 0xDEADBEEFu);
     std::vector<uchar> keep(shape.vocab, 2);  // 2: never written
     const SampleState* st = (const SampleState*)sb.data();
     dispatch({1, 1, 1}, {nt, 1, 1}, [&](const Lane& l) {
-        sample_f32(x.data(), work.data(), shape, p, st, out.data(), cand.data(), keep.data(), l.tid.x, nt);
+        sample_f32(x.data(), work.data(), shape, p, st, out.data(), keep.data(), l.tid.x, nt);
     });
     std::ofstream(dir + "/out.bin", std::ios::binary).write((const char*)out.data(), 12);
     std::ofstream(dir + "/keep.bin", std::ios::binary).write((const char*)keep.data(), keep.size());

@@ -9,15 +9,29 @@
 typedef unsigned int uint;
 typedef unsigned char uchar;
 typedef unsigned long long k_u64;
-typedef unsigned long long KHIST;
+// A histogram slot as two 32-bit words: 64-bit shared atomics are compare-and-swap loops,
+// 32-bit ones are native; an add that wraps the low word carries into the high one.
+struct KHIST {
+    unsigned int lo, hi;
+};
 typedef unsigned int KCOUNT;
 #define KDEV
 #define KSHM
 #define KBARRIER() __syncthreads()
 
-__device__ __forceinline__ void hist_clear(KHIST* h, uint b) { h[b] = 0; }
-__device__ __forceinline__ void hist_add(KHIST* h, uint b, k_u64 v) { atomicAdd(h + b, v); }
-__device__ __forceinline__ k_u64 hist_get(KHIST* h, uint b) { return h[b]; }
+__device__ __forceinline__ void hist_clear(KHIST* h, uint b) {
+    h[b].lo = 0;
+    h[b].hi = 0;
+}
+__device__ __forceinline__ void hist_add(KHIST* h, uint b, k_u64 v) {
+    const uint lo = (uint)v;
+    const uint old = atomicAdd(&h[b].lo, lo);
+    const uint hi = (uint)(v >> 32) + (old + lo < old ? 1u : 0u);
+    if (hi != 0) atomicAdd(&h[b].hi, hi);
+}
+__device__ __forceinline__ k_u64 hist_get(KHIST* h, uint b) {
+    return ((k_u64)h[b].hi << 32) | h[b].lo;
+}
 __device__ __forceinline__ void count_clear(KCOUNT* c) { *c = 0; }
 __device__ __forceinline__ uint count_add(KCOUNT* c, uint v) { return atomicAdd(c, v); }
 __device__ __forceinline__ uint count_get(KCOUNT* c) { return *c; }
@@ -34,12 +48,13 @@ __device__ __forceinline__ float u2f(uint v) { return __uint_as_float(v); }
 
 extern "C" __global__ void __launch_bounds__(1024)
     sample_f32(const float* x_in, float* x, uint V, SampleParams p, const SampleState* st,
-               uint* out, uint* cand, uchar* keep, uint want_keep) {
+               uint* out, uchar* keep, uint want_keep) {
     PDL_ENTRY();
     __shared__ k_u64 red[1024];
     __shared__ KHIST hist[SAMPLE_HIST_BINS];
+    __shared__ uint list[SAMPLE_LIST];
     __shared__ k_u64 misc[4];
     __shared__ KCOUNT count;
-    sample_block(x_in, x, V, p, st, out, cand, keep, want_keep != 0, red, hist, misc, &count,
+    sample_block(x_in, x, V, p, st, out, keep, want_keep != 0, red, hist, list, misc, &count,
                  threadIdx.x, blockDim.x);
 }

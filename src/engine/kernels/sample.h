@@ -21,12 +21,12 @@
 // -inf logits are masked tokens: never kept (the most likely token is finite and always is).
 //
 // Steps (nt threads, a power of two from 32 to 1024): copy (when x_in != x) and the repetition
-// penalty; max and first argmax; exp, the normalizer and total mass, the tokens of non-zero
-// mass compacted into `cand`; then, over those candidates (over the whole vocabulary only when
-// the kept set could reach past them): for top-p a radix select on the value's order key
-// (11 + 11 + 10 bits, masses as weights) for the least likely kept value; for top-k a radix
-// select by count, and one on the index for ties; the Gumbel-max draw. Only the first two steps
-// read every logit.
+// penalty; max and first argmax; the exponentials (skipped far below the max), the normalizer,
+// the total mass and a histogram of mass by distance from the max; for top-p, the bin where
+// the mass crosses the limit, its tokens gathered and sorted (a radix select on the value's
+// order key when too many tie there); for top-k a radix select by count, and one on the index
+// for ties; the Gumbel-max draw. Atomic adds go to 32-bit words only and, in the common cases,
+// to many different bins.
 
 #define SAMPLE_MAX_RECENT 64
 #define SAMPLE_HIST_BINS 2048
@@ -76,14 +76,24 @@ KFN float sample_exp(float x) {
 KFN k_u64 sample_mass(float e) { return (k_u64)krint(e * 1099511627776.0f); }
 
 KFN k_u64 sample_mix(k_u64 z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z = (z ^ (z >> 30)) * (k_u64)0xBF58476D1CE4E5B9;
+    z = (z ^ (z >> 27)) * (k_u64)0x94D049BB133111EB;
     return z ^ (z >> 31);
 }
 
+// Wellons' lowbias32: a cheap, well-mixed 32-bit hash.
+KFN uint sample_hash32(uint x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    return x ^ (x >> 16);
+}
+
+// The Gumbel variate of token i under the per-token key (engine::sample::gumbel).
 KFN float sample_gumbel(k_u64 key, uint i) {
-    k_u64 h = sample_mix(key + (k_u64)i * 0xD1B54A32D192ED03ull);
-    float u = ((float)(uint)(h >> 40) + 0.5f) * (1.0f / 16777216.0f);
+    const uint h = sample_hash32(sample_hash32((i * 0x9E3779B9u) ^ (uint)key) ^ (uint)(key >> 32));
+    const float u = ((float)(h >> 8) + 0.5f) * (1.0f / 16777216.0f);
     return -klog(-klog(u));
 }
 
@@ -183,22 +193,77 @@ KFN void clear_hist(KSHM KHIST* h, uint nbins, uint tid, uint nt) {
     KBARRIER();
 }
 
-// The token at position j of the pool later steps walk: the candidates (every token of
-// non-zero mass, compacted in the exponential pass) when the kept set must lie among them,
-// else the whole vocabulary.
-KFN float pool_val(bool use_cand, const KDEV float* x, const KDEV uint* cand, uint j) {
-    return use_cand ? u2f(cand[2 * j]) : x[j];
-}
-KFN uint pool_idx(bool use_cand, const KDEV uint* cand, uint j) {
-    return use_cand ? cand[2 * j + 1] : j;
+// Top-p's first histogram bins a token by how far below the max it is: 32 bins a nat over the
+// 32 nats below it (a token of non-zero mass is within 28.5), 1024 for the rest. The bin only
+// grows as the value falls, so bins walked upward are values walked downward.
+#define SAMPLE_DBINS 1024
+KFN uint sample_dbin(float dv) {
+    if (!(dv >= -32.0f)) return SAMPLE_DBINS;
+    const uint b = (uint)(-dv * 32.0f);
+    return b < SAMPLE_DBINS - 1 ? b : SAMPLE_DBINS - 1;
 }
 
+// Entries of the boundary bin sorted in block memory (more go to the radix fallback).
+#define SAMPLE_LIST 1024
+
+// Sorts a[0..n) (n a power of two) descending.
+KFN void bitonic_desc(KSHM uint* a, uint n, uint tid, uint nt) {
+    for (uint k = 2; k <= n; k <<= 1) {
+        for (uint j = k >> 1; j > 0; j >>= 1) {
+            for (uint i = tid; i < n; i += nt) {
+                const uint l = i ^ j;
+                if (l > i) {
+                    const uint ai = a[i], al = a[l];
+                    if ((i & k) == 0 ? ai < al : ai > al) {
+                        a[i] = al;
+                        a[l] = ai;
+                    }
+                }
+            }
+            KBARRIER();
+        }
+    }
+}
+
+// Radix select (11 + 11 + 10 bits of the order key, weight: mass, or 1 with `count`) among
+// the tokens `in` admits: the key at which the weight walked from the top crosses `limit`,
+// starting from `base`. Returns the key and, through misc[1] / misc[2], the weight before it
+// and at it.
+#define SAMPLE_RADIX_SELECT(IN, COUNT, LIMIT, BASE, RESULT)                                     \
+    {                                                                                         \
+        k_u64 rs_base = (BASE);                                                               \
+        uint rs_prefix = 0;                                                                   \
+        for (uint level = 0; level < 3; level++) {                                            \
+            const uint shift = level == 0 ? 21u : (level == 1 ? 10u : 0u);                    \
+            const uint bins = level == 2 ? 1024u : 2048u;                                     \
+            const uint above = level == 0 ? 32u : (level == 1 ? 21u : 10u);                   \
+            clear_hist(hist, bins, tid, nt);                                                  \
+            for (uint i = tid; i < V; i += nt) {                                              \
+                const float v = x[i];                                                         \
+                const uint key = sample_key(v);                                               \
+                if ((IN) && (level == 0 || (key >> above) == rs_prefix)) {                    \
+                    const k_u64 w = (COUNT) ? (k_u64)1 : sample_mass(sample_exp(v - m));          \
+                    if (w != 0) hist_add(hist, (key >> shift) & (bins - 1), w);               \
+                }                                                                             \
+            }                                                                                 \
+            KBARRIER();                                                                       \
+            Crossing rc = find_crossing(hist, bins, true, (LIMIT), rs_base, red, misc, tid, nt); \
+            rs_prefix = level == 0 ? rc.bin : ((rs_prefix << (level == 1 ? 11u : 10u)) | rc.bin); \
+            rs_base = rc.before;                                                              \
+            if (tid == 0) {                                                                   \
+                misc[1] = rc.before;                                                          \
+                misc[2] = rc.weight;                                                          \
+            }                                                                                 \
+        }                                                                                     \
+        KBARRIER();                                                                           \
+        RESULT = rs_prefix;                                                                   \
+    }
+
 // out[0] the token, out[1] its log-probability's bits, out[2] 1 when the logits held NaN or
-// +inf or nothing finite. `cand` is workspace for 2 * V words. With `want_keep`, keep[i] =
-// whether token i was kept (for tests).
+// +inf or nothing finite. With `want_keep`, keep[i] = whether token i was kept (for tests).
 KFN void sample_block(const KDEV float* x_in, KDEV float* x, uint V, SampleParams p,
-                      const KDEV SampleState* st, KDEV uint* out, KDEV uint* cand,
-                      KDEV uchar* keep, bool want_keep, KSHM k_u64* red, KSHM KHIST* hist,
+                      const KDEV SampleState* st, KDEV uint* out, KDEV uchar* keep,
+                      bool want_keep, KSHM k_u64* red, KSHM KHIST* hist, KSHM uint* list,
                       KSHM k_u64* misc, KSHM KCOUNT* count, uint tid, uint nt) {
     if (x_in != x) {
         for (uint i = tid; i < V; i += nt) x[i] = x_in[i];
@@ -239,30 +304,21 @@ KFN void sample_block(const KDEV float* x_in, KDEV float* x, uint V, SampleParam
         return;
     }
 
-    // the normalizer, the total mass, the candidates and top-p's first histogram; below
-    // e^-29 a token's mass is 0 and its share of the normalizer under 1e-12, so its
-    // exponential is skipped
+    // the normalizer, the total mass and top-p's histogram; below e^-29 a token's mass is 0
+    // and its share of the normalizer under 1e-12, so its exponential is skipped
     const bool greedy = p.greedy != 0;
     const bool top_p = !greedy && p.top_p24 != 0;
-    if (top_p) clear_hist(hist, SAMPLE_HIST_BINS, tid, nt);
-    if (tid == 0) count_clear(count);
-    KBARRIER();
+    if (top_p) clear_hist(hist, SAMPLE_DBINS, tid, nt);
     float se = 0.0f;
     k_u64 total = 0;
     for (uint i = tid; i < V; i += nt) {
-        const float v = x[i];
-        const float d = v - m;
-        if (d >= -29.0f) {
-            const float e = sample_exp(d);
+        const float dv = x[i] - m;
+        if (dv >= -29.0f) {
+            const float e = sample_exp(dv);
             se += e;
             const k_u64 q = sample_mass(e);
-            if (q != 0 && !greedy) {
-                total += q;
-                const uint slot = count_add(count, 1u);
-                cand[2 * slot] = f2u(v);
-                cand[2 * slot + 1] = i;
-                if (top_p) hist_add(hist, sample_key(v) >> 21, q);
-            }
+            total += q;
+            if (top_p && q != 0) hist_add(hist, sample_dbin(dv), q);
         }
     }
     KBARRIER();
@@ -276,39 +332,50 @@ KFN void sample_block(const KDEV float* x_in, KDEV float* x, uint V, SampleParam
         }
         return;
     }
-    total = block_sum_u64(total, red, tid, nt);
-    const uint n_cand = count_get(count);
     const float lnm = p.ln_min_p;
-    // The kept set lies among the candidates when top-p is on (a token of zero mass has all
-    // the mass above it), when min-p's floor is within e^-28 (mass >= 1 there), or when top-k
-    // finds its k among them. Else (plain temperature, a loose top-k) the whole vocabulary.
-    const bool use_cand = top_p || lnm >= -28.0f || (p.top_k != 0 && n_cand >= p.top_k);
-    const uint n = use_cand ? n_cand : V;
 
-    // top-p: the least likely kept value's key, three digits at a time
+    // top-p: the least likely kept value's key. The bin where the mass crosses the limit;
+    // its tokens sorted in block memory (or, when there are too many, a radix select among
+    // them); within it a value is kept when the mass of all larger values is below the limit.
     uint tau = 0;
     if (top_p) {
-        const k_u64 limit = (k_u64)p.top_p24 * (total >> 24) + (((k_u64)p.top_p24 * (total & 0xFFFFFFull)) >> 24);
-        Crossing c = find_crossing(hist, 2048, true, limit, 0, red, misc, tid, nt);
-        uint prefix = c.bin;
-        clear_hist(hist, 2048, tid, nt);
-        for (uint j = tid; j < n; j += nt) {
-            float v = pool_val(use_cand, x, cand, j);
-            uint key = sample_key(v);
-            if ((key >> 21) == prefix) hist_add(hist, (key >> 10) & 2047u, sample_mass(sample_exp(v - m)));
+        total = block_sum_u64(total, red, tid, nt);
+        const k_u64 limit = (k_u64)p.top_p24 * (total >> 24) + (((k_u64)p.top_p24 * (total & (k_u64)0xFFFFFF)) >> 24);
+        const Crossing c = find_crossing(hist, SAMPLE_DBINS, false, limit, 0, red, misc, tid, nt);
+        if (tid == 0) count_clear(count);
+        KBARRIER();
+        for (uint i = tid; i < V; i += nt) {
+            const float v = x[i];
+            const float dv = v - m;
+            if (dv >= -29.0f && sample_dbin(dv) == c.bin) {
+                const uint slot = count_add(count, 1u);
+                if (slot < SAMPLE_LIST) list[slot] = sample_key(v);
+            }
         }
         KBARRIER();
-        c = find_crossing(hist, 2048, true, limit, c.before, red, misc, tid, nt);
-        prefix = (prefix << 11) | c.bin;
-        clear_hist(hist, 1024, tid, nt);
-        for (uint j = tid; j < n; j += nt) {
-            float v = pool_val(use_cand, x, cand, j);
-            uint key = sample_key(v);
-            if ((key >> 10) == prefix) hist_add(hist, key & 1023u, sample_mass(sample_exp(v - m)));
+        const uint nl = count_get(count);
+        if (nl <= SAMPLE_LIST) {
+            uint np = 1;
+            while (np < nl) np <<= 1;
+            for (uint j = nl + tid; j < np; j += nt) list[j] = 0;
+            KBARRIER();
+            bitonic_desc(list, np, tid, nt);
+            const uint per = (np + nt - 1) / nt;
+            k_u64 local = 0;
+            for (uint j = tid * per; j < tid * per + per && j < nl; j++)
+                local += sample_mass(sample_exp(u2f(sample_key_inverse(list[j])) - m));
+            k_u64 run = c.before + block_exclusive_scan_u64(local, red, tid, nt);
+            uint least = 0xFFFFFFFFu;
+            for (uint j = tid * per; j < tid * per + per && j < nl; j++) {
+                // a value's first entry sees exactly the mass of the larger values above it
+                if ((j == 0 || list[j - 1] != list[j]) && run < limit && list[j] < least) least = list[j];
+                run += sample_mass(sample_exp(u2f(sample_key_inverse(list[j])) - m));
+            }
+            tau = 0xFFFFFFFFu - (uint)block_max_u64(0xFFFFFFFFu - least, red, tid, nt);
+        } else {
+            const uint bp = c.bin;
+            SAMPLE_RADIX_SELECT(v - m >= -29.0f && sample_dbin(v - m) == bp, false, limit, c.before, tau);
         }
-        KBARRIER();
-        c = find_crossing(hist, 1024, true, limit, c.before, red, misc, tid, nt);
-        tau = (prefix << 10) | c.bin;
     }
 
     // top-k among the survivors: the k-th key, and for ties at it the highest kept index
@@ -316,72 +383,50 @@ KFN void sample_block(const KDEV float* x_in, KDEV float* x, uint V, SampleParam
     uint kth = 0, ibound = 0xFFFFFFFFu;
     if (p.top_k != 0) {
         uint ns = 0;
-        for (uint j = tid; j < n; j += nt) {
-            float v = pool_val(use_cand, x, cand, j);
+        for (uint i = tid; i < V; i += nt) {
+            const float v = x[i];
             ns += (v > -INFINITY && sample_key(v) >= tau && v - m >= lnm) ? 1u : 0u;
         }
         ns = (uint)block_sum_u64(ns, red, tid, nt);
         if (ns > p.top_k) {
             cut = true;
             const k_u64 k = p.top_k;
-            k_u64 base = 0;
-            uint prefix = 0;
-            for (uint level = 0; level < 3; level++) {
-                const uint shift = level == 0 ? 21u : (level == 1 ? 10u : 0u);
-                const uint bins = level == 2 ? 1024u : 2048u;
-                clear_hist(hist, bins, tid, nt);
-                for (uint j = tid; j < n; j += nt) {
-                    float v = pool_val(use_cand, x, cand, j);
-                    uint key = sample_key(v);
-                    bool in = v > -INFINITY && key >= tau && v - m >= lnm && (level == 0 || (key >> (shift + (level == 1 ? 11u : 10u))) == prefix);
-                    if (in) hist_add(hist, (key >> shift) & (bins - 1), 1);
-                }
-                KBARRIER();
-                Crossing c = find_crossing(hist, bins, true, k, base, red, misc, tid, nt);
-                prefix = level == 2 ? ((prefix << 10) | c.bin) : (level == 1 ? ((prefix << 11) | c.bin) : c.bin);
-                base = c.before;
-                if (level == 2 && c.weight > k - base) {
-                    // ties at the k-th value: keep the (k - base) lowest indices among them
-                    const k_u64 r = k - base;
-                    kth = prefix;
-                    k_u64 ib = 0;
-                    uint hi = 0;
-                    for (uint il = 0; il < 2; il++) {
-                        clear_hist(hist, 1024, tid, nt);
-                        for (uint j = tid; j < n; j += nt) {
-                            float v = pool_val(use_cand, x, cand, j);
-                            uint i = pool_idx(use_cand, cand, j);
-                            bool in = v > -INFINITY && sample_key(v) == kth && v - m >= lnm && (il == 0 || (i >> 10) == hi);
-                            if (in) hist_add(hist, il == 0 ? (i >> 10) : (i & 1023u), 1);
-                        }
-                        KBARRIER();
-                        Crossing ci = find_crossing(hist, 1024, false, r, ib, red, misc, tid, nt);
-                        ib = ci.before;
-                        hi = il == 0 ? ci.bin : ((hi << 10) | ci.bin);
+            SAMPLE_RADIX_SELECT(v > -INFINITY && key >= tau && v - m >= lnm, true, k, 0, kth);
+            const k_u64 base = misc[1], weight = misc[2];
+            KBARRIER();
+            if (weight > k - base) {
+                // ties at the k-th value: keep the (k - base) lowest indices among them
+                const k_u64 r = k - base;
+                k_u64 ib = 0;
+                uint hi = 0;
+                for (uint il = 0; il < 2; il++) {
+                    clear_hist(hist, 1024, tid, nt);
+                    for (uint i = tid; i < V; i += nt) {
+                        const float v = x[i];
+                        const bool in = v > -INFINITY && sample_key(v) == kth && v - m >= lnm && (il == 0 || (i >> 10) == hi);
+                        if (in) hist_add(hist, il == 0 ? (i >> 10) : (i & 1023u), 1);
                     }
-                    ibound = hi;
+                    KBARRIER();
+                    const Crossing ci = find_crossing(hist, 1024, false, r, ib, red, misc, tid, nt);
+                    ib = ci.before;
+                    hi = il == 0 ? ci.bin : ((hi << 10) | ci.bin);
                 }
+                ibound = hi;
             }
-            kth = prefix;
         }
     }
 
     // the Gumbel-max draw over the kept tokens
-    if (want_keep) {
-        for (uint i = tid; i < V; i += nt) keep[i] = 0;
-        KBARRIER();
-    }
-    const k_u64 gkey = sample_mix(st->seed ^ sample_mix(st->counter + 0x9E3779B97F4A7C15ull));
+    const k_u64 gkey = sample_mix(st->seed ^ sample_mix(st->counter + (k_u64)0x9E3779B97F4A7C15));
     float bs = -INFINITY;
     uint bi = 0xFFFFFFFFu;
-    for (uint j = tid; j < n; j += nt) {
-        const float v = pool_val(use_cand, x, cand, j);
-        const uint i = pool_idx(use_cand, cand, j);
+    for (uint i = tid; i < V; i += nt) {
+        const float v = x[i];
         const uint key = sample_key(v);
         const bool kept = v > -INFINITY && key >= tau && v - m >= lnm && (!cut || key > kth || (key == kth && i <= ibound));
+        if (want_keep) keep[i] = kept ? 1 : 0;
         if (kept) {
-            if (want_keep) keep[i] = 1;
-            float s = (v - m) * p.inv_temp + sample_gumbel(gkey, i);
+            const float s = (v - m) * p.inv_temp + sample_gumbel(gkey, i);
             if (s > bs || (s == bs && i < bi)) {
                 bs = s;
                 bi = i;

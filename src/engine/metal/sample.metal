@@ -72,14 +72,14 @@ kernel void sample_f32(device const float* x_in [[buffer(0)]],
                        constant SampleParams& p [[buffer(3)]],
                        device const SampleState* st [[buffer(4)]],
                        device uint* out [[buffer(5)]],
-                       device uint* cand [[buffer(6)]],
-                       device uchar* keep [[buffer(7)]],
+                       device uchar* keep [[buffer(6)]],
                        uint tid [[thread_index_in_threadgroup]],
                        uint nt [[threads_per_threadgroup]]) {
     threadgroup k_u64 red[1024];
     threadgroup KHIST hist[SAMPLE_HIST_BINS];
+    threadgroup uint list[SAMPLE_LIST];
     threadgroup k_u64 misc[4];
     threadgroup KCOUNT count;
-    sample_block(x_in, x, shape.vocab, p, st, out, cand, keep, shape.want_keep != 0, red, hist,
+    sample_block(x_in, x, shape.vocab, p, st, out, keep, shape.want_keep != 0, red, hist, list,
                  misc, &count, tid, nt);
 }
