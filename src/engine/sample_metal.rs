@@ -2,6 +2,7 @@
 //! (`sample::metal_source`), one threadgroup per token; its logic is tested under
 //! `tests/metal_shim`. Never run on a Mac by this project: see docs/macos.md.
 
+use candle_core::backend::BackendStorage;
 use candle_core::{DType, MetalStorage, Shape};
 use objc2_metal::MTLSize;
 
