@@ -69,7 +69,7 @@ pub fn peak_rss_bytes() -> u64 {
 }
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
-    init_threads(args.threads);
+    init_threads(args.threads)?;
     if let (Some(shape), Some(dir)) = (args.synthetic, &args.save) {
         let t = Instant::now();
         synthetic::save(shape, args.seed, dir, args.tokenizer_dir.as_deref())?;

@@ -55,7 +55,7 @@ pub fn load_generator(
     m: &ModelArgs,
     verbose: bool,
 ) -> anyhow::Result<(Generator, String)> {
-    init_threads(settings.threads.value);
+    init_threads(settings.threads.value)?;
     let env = HubEnv::from_env();
     let progress = verbose && std::io::stderr().is_terminal();
     let model_dir = hub::resolve(&settings.model.value, Kind::Model, &env, verbose, progress)?;

@@ -23,17 +23,25 @@ pub fn kernel(k: KernelArg) -> CpuKernel {
     }
 }
 
-/// Sizes the global worker pool once; later calls keep the first size.
-pub fn init_threads(threads: Option<usize>) {
+/// Sizes the global worker pool once; later calls keep the first size. A count past
+/// `settings::MAX_THREADS` is refused (each is an OS thread; 100000 would hang the start).
+pub fn init_threads(threads: Option<usize>) -> Result<(), crate::exit::BadArgument> {
     if let Some(n) = threads {
+        if !(1..=crate::settings::MAX_THREADS).contains(&n) {
+            return Err(crate::exit::BadArgument(format!(
+                "--threads {n}: expected 1 to {}",
+                crate::settings::MAX_THREADS
+            )));
+        }
         let _ = rayon::ThreadPoolBuilder::new()
-            .num_threads(n.max(1))
+            .num_threads(n)
             .build_global();
     }
+    Ok(())
 }
 
 pub fn forward(args: &ForwardArgs) -> anyhow::Result<()> {
-    init_threads(args.threads);
+    init_threads(args.threads)?;
     let opts = ModelOptions {
         kernel: kernel(args.kernel),
         route: args.qmatmul,

@@ -39,9 +39,16 @@ pub fn near_duplicate<'a>(
 }
 
 /// Jaccard similarity of the character trigrams of the normalized texts, in [0, 1]
-/// (1.0 for equal normalized texts).
+/// (1.0 for equal normalized texts). A text with no letters or digits (symbols, emoji)
+/// normalizes to nothing, so such texts are compared as written (whitespace collapsed).
 pub fn jaccard(a: &str, b: &str) -> f64 {
-    let (a, b) = (normalize(a), normalize(b));
+    let (na, nb) = (normalize(a), normalize(b));
+    let collapse = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
+    let (a, b) = if na.is_empty() || nb.is_empty() {
+        (collapse(a), collapse(b))
+    } else {
+        (na, nb)
+    };
     if a == b {
         return 1.0;
     }
@@ -119,6 +126,17 @@ pub fn training_posts(jsonl: &str) -> Result<Vec<String>, String> {
 
 #[cfg(test)]
 mod tests {
+    /// #18.11: texts without letters or digits normalized to nothing and were all "100%
+    /// similar" to each other; they are compared as written.
+    #[test]
+    fn emoji_only_posts_are_not_all_duplicates() {
+        assert!(jaccard("\u{1F642}\u{1F642}\u{1F642}", "\u{1F389}!!! ***") < 0.5);
+        assert!(jaccard("--- *** ---", "??? !!! ???") < 0.5);
+        assert_eq!(jaccard("\u{1F642} \u{1F642}", "\u{1F642}  \u{1F642}"), 1.0);
+        let earlier = vec!["\u{2728}\u{2728}".to_string()];
+        assert!(near_duplicate("\u{1F30A}\u{1F30A}", &earlier, 0.85).is_none());
+    }
+
     use super::*;
 
     #[test]

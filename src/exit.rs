@@ -24,9 +24,17 @@ pub const REFUSED: i32 = 7;
 /// Another scheduled run of the same profile holds the lock.
 pub const LOCKED: i32 = 8;
 
+/// A command-line value the program refuses (clap checks the syntax; this, the meaning).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct BadArgument(pub String);
+
 /// The code for an error: the first typed error in its chain decides.
 pub fn code(e: &anyhow::Error) -> i32 {
     for cause in e.chain() {
+        if cause.downcast_ref::<BadArgument>().is_some() {
+            return USAGE;
+        }
         if let Some(b) = cause.downcast_ref::<BlueskyError>() {
             return match b {
                 BlueskyError::Config(_) | BlueskyError::Auth { .. } => CONFIG,
@@ -50,8 +58,13 @@ pub fn code(e: &anyhow::Error) -> i32 {
                 GenerateError::EmptyPrompts { .. }
                 | GenerateError::ReadPrompts { .. }
                 | GenerateError::Sampling(_) => CONFIG,
+                GenerateError::PromptTooLong { .. } => USAGE,
+                GenerateError::Engine(e) => engine_code(e),
                 _ => OTHER,
             };
+        }
+        if let Some(e) = cause.downcast_ref::<crate::engine::EngineError>() {
+            return engine_code(e);
         }
         if let Some(h) = cause.downcast_ref::<HubError>() {
             return match h {
@@ -59,11 +72,21 @@ pub fn code(e: &anyhow::Error) -> i32 {
                 _ => CONFIG,
             };
         }
-        if cause.downcast_ref::<SettingsError>().is_some() {
-            return CONFIG;
+        if let Some(s) = cause.downcast_ref::<SettingsError>() {
+            return match s {
+                // a flag's value is the command line's fault
+                SettingsError::Value { origin, .. } if origin == "command line" => USAGE,
+                _ => CONFIG,
+            };
         }
         if cause.downcast_ref::<crate::schedule::Locked>().is_some() {
             return LOCKED;
+        }
+        if cause
+            .downcast_ref::<crate::schedule::UnsafeValue>()
+            .is_some()
+        {
+            return CONFIG;
         }
         if cause.downcast_ref::<crate::store::DraftError>().is_some() {
             return CONFIG;
@@ -75,9 +98,28 @@ pub fn code(e: &anyhow::Error) -> i32 {
     OTHER
 }
 
+/// A model or adapter the user must fix is a configuration problem; running out of context is
+/// a command-line one; the rest (device failures, internal errors) are other errors.
+fn engine_code(e: &crate::engine::EngineError) -> i32 {
+    use crate::engine::EngineError as E;
+    match e {
+        E::Io { .. }
+        | E::SafetensorsFormat { .. }
+        | E::BadTensor { .. }
+        | E::MissingTensor { .. }
+        | E::Config { .. }
+        | E::UnsupportedQuantMode { .. }
+        | E::Adapter { .. } => CONFIG,
+        E::ContextFull { .. } => USAGE,
+        E::NonFiniteLogits => GENERATION,
+        E::Invalid(_) | E::Candle(_) => OTHER,
+    }
+}
+
 fn xrpc_code(x: &XrpcError) -> i32 {
     match x {
         XrpcError::RateLimited { .. } => RATE_LIMITED,
+        XrpcError::Redirect { .. } => CONFIG,
         XrpcError::Transport { .. } => NETWORK,
         XrpcError::Api { status, .. } if *status >= 500 => NETWORK,
         XrpcError::Api {

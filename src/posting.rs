@@ -108,28 +108,49 @@ fn policy() -> RetryPolicy {
     p
 }
 
-/// Settles posts left `pending` by an interrupted run: landed ones become `posted`, the
-/// others `failed` (they were never published, so nothing is lost and nothing repeats).
+/// Settles posts left `pending` by an interrupted run. One that landed becomes `posted`. One
+/// that did not may still be in flight (the killed run's request can reach the server later),
+/// so it is sent again under the *same* record key: whichever copy arrives second collides
+/// with the first instead of making a second post. Only a definite refusal marks it `failed`.
 pub fn reconcile(client: &mut Bluesky, creds: &Credentials, store: &Store) -> anyhow::Result<()> {
     for row in store.pending(&client.session.did)? {
-        match client.get_record(creds, POST_COLLECTION, &row.rkey)? {
-            Some(v) => {
-                let p = Published {
-                    uri: v["uri"].as_str().unwrap_or_default().to_string(),
-                    cid: v["cid"].as_str().unwrap_or_default().to_string(),
-                };
-                store.mark_posted(
-                    &row.rkey,
-                    &p.uri,
-                    &p.cid,
-                    &record::timestamp(SystemTime::now()),
-                )?;
-                eprintln!("an interrupted run's post had landed: {}", p.uri);
+        let landed = match client.get_record(creds, POST_COLLECTION, &row.rkey)? {
+            Some(v) => published_of(&v),
+            None => {
+                let record: Value = serde_json::from_str(&row.record)
+                    .with_context(|| format!("the history's record of {}", row.rkey))?;
+                match client.create_post(creds, &row.rkey, &record) {
+                    Ok(p) => Some(p),
+                    Err(BlueskyError::Xrpc(e)) if e.status() == Some(400) => {
+                        eprintln!(
+                            "an interrupted run's post {} was refused on resending: {e}",
+                            row.rkey
+                        );
+                        store.set_status(&row.rkey, "failed")?;
+                        None
+                    }
+                    Err(e) => return Err(e.into()),
+                }
             }
-            None => store.set_status(&row.rkey, "failed")?,
+        };
+        if let Some(p) = landed {
+            store.mark_posted(
+                &row.rkey,
+                &p.uri,
+                &p.cid,
+                &record::timestamp(SystemTime::now()),
+            )?;
+            eprintln!("settled an interrupted run's post: {}", p.uri);
         }
     }
     Ok(())
+}
+
+fn published_of(v: &Value) -> Option<Published> {
+    Some(Published {
+        uri: v.get("uri")?.as_str()?.to_string(),
+        cid: v.get("cid")?.as_str()?.to_string(),
+    })
 }
 
 /// The duplicate guard's inputs.
@@ -151,6 +172,19 @@ impl Guard {
             }
             None => None,
         };
+        if !(g.max_similarity > 0.0 && g.max_similarity <= 1.0) {
+            return Err(crate::exit::BadArgument(format!(
+                "--max-similarity {}: expected a number in (0, 1] (1 refuses only identical posts)",
+                g.max_similarity
+            ))
+            .into());
+        }
+        if g.copied_words == 0 {
+            return Err(crate::exit::BadArgument(
+                "--copied-words 0: expected at least 1 word".into(),
+            )
+            .into());
+        }
         Ok(Guard {
             max_similarity: g.max_similarity,
             history: g.history,
@@ -282,25 +316,55 @@ pub fn with_account<T>(
     f(&mut client, &creds, &store)
 }
 
-/// Publishes the oldest approved draft; None when the queue has none.
+/// Publishes the oldest approved draft; None when the queue has none. A draft the guard or
+/// the limits turn down becomes `refused` (with the reason) and the next one is tried, so one
+/// bad draft never stalls the queue; when every approved draft was refused, that is the error.
 pub fn publish_next(
     settings: &Settings,
     guard: &Guard,
 ) -> anyhow::Result<Option<(i64, Published)>> {
     with_account(settings, |client, creds, store| {
-        let Some(d) = store.next_approved()? else {
+        let mut refused = Vec::new();
+        while let Some(d) = store.next_approved()? {
+            match publish(
+                client,
+                creds,
+                store,
+                &d.text,
+                &settings.langs.value,
+                Some(d.id),
+                guard,
+            ) {
+                Ok((_, p)) => return Ok(Some((d.id, p))),
+                Err(e) if is_refusal(&e) => {
+                    let why = format!("{e:#}");
+                    eprintln!("draft {} refused: {why}", d.id);
+                    store.refuse_draft(d.id, &why)?;
+                    refused.push(format!("draft {}: {why}", d.id));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        if refused.is_empty() {
             return Ok(None);
-        };
-        let (_, p) = publish(
-            client,
-            creds,
-            store,
-            &d.text,
-            &settings.langs.value,
-            Some(d.id),
-            guard,
-        )?;
-        Ok(Some((d.id, p)))
+        }
+        Err(Refused(format!(
+            "every approved draft was refused ({}); edit and approve them again with `bot queue approve`",
+            refused.join("; ")
+        ))
+        .into())
+    })
+}
+
+/// Whether `e` turned the text down before anything was sent.
+fn is_refusal(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<Refused>().is_some()
+            || c.downcast_ref::<record::TextError>().is_some()
+            || matches!(
+                c.downcast_ref::<BlueskyError>(),
+                Some(BlueskyError::Text(_))
+            )
     })
 }
 
@@ -408,6 +472,16 @@ pub fn delete(
                 client.session.handle,
                 client.session.did
             );
+        }
+        // only posts: the profile, follows and likes are not this command's to delete
+        if collection != POST_COLLECTION {
+            return Err(Refused(format!(
+                "{uri} is a {collection} record, not a post ({POST_COLLECTION}): `bot delete` deletes posts only"
+            ))
+            .into());
+        }
+        if client.get_record(creds, &collection, &rkey)?.is_none() {
+            anyhow::bail!("{uri} does not exist (nothing was deleted)");
         }
         client.delete(creds, &collection, &rkey)?;
         store.set_status(&rkey, "deleted")?;

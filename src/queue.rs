@@ -69,7 +69,9 @@ pub fn list(
 ) -> anyhow::Result<()> {
     let status = match status {
         Some(s) => Some(DraftStatus::parse(s).ok_or_else(|| {
-            anyhow::anyhow!("unknown status {s:?}: expected new, approved, rejected or posted")
+            anyhow::anyhow!(
+                "unknown status {s:?}: expected new, approved, rejected, refused or posted"
+            )
         })?),
         None => None,
     };
@@ -79,10 +81,14 @@ pub fn list(
             println!("{}", serde_json::to_string(&d)?);
         } else {
             println!(
-                "{:>4}  {:<8}  {}",
+                "{:>4}  {:<8}  {}{}",
                 d.id,
                 d.status,
-                d.text.replace('\n', " ⏎ ")
+                d.text.replace('\n', " ⏎ "),
+                d.note
+                    .as_deref()
+                    .map(|n| format!("  [{n}]"))
+                    .unwrap_or_default()
             );
         }
     }

@@ -11,6 +11,7 @@ use serde_json::json;
 
 use crate::cli::{RunArgs, RunMode, ScheduleSpec, ScheduleTarget};
 use crate::commands::{self, load_settings};
+use crate::exit::BadArgument;
 use crate::posting::{self, Guard};
 use crate::settings::{Overrides, Settings};
 
@@ -62,6 +63,38 @@ pub fn in_quiet(minute: u32, (start, end): (u32, u32)) -> bool {
     } else {
         minute >= start || minute < end
     }
+}
+
+/// Before and after the jitter wait: whether the run may go on (both checks outside quiet
+/// hours). The wait can carry a run into quiet hours, so the time is read again after it.
+pub fn wait_outside_quiet(
+    quiet: Option<(u32, u32)>,
+    wait: Duration,
+    now: &dyn Fn() -> u32,
+    sleep: &dyn Fn(Duration),
+) -> bool {
+    let quiet_now = |q: Option<(u32, u32)>| q.is_some_and(|w| in_quiet(now(), w));
+    if quiet_now(quiet) {
+        return false;
+    }
+    if !wait.is_zero() {
+        sleep(wait);
+    }
+    !quiet_now(quiet)
+}
+
+/// Longest `--jitter` accepted: a run holds its lock while it waits.
+pub const MAX_JITTER: Duration = Duration::from_secs(6 * 3600);
+
+fn parse_jitter(j: &str) -> Result<Duration, BadArgument> {
+    let d = parse_duration(j).map_err(|e| BadArgument(format!("--jitter {e}")))?;
+    if d > MAX_JITTER {
+        return Err(BadArgument(format!(
+            "--jitter {j} is longer than {} h: a run holds its profile's lock while it waits",
+            MAX_JITTER.as_secs() / 3600
+        )));
+    }
+    Ok(d)
 }
 
 fn local_minute() -> u32 {
@@ -117,17 +150,23 @@ pub fn run(config: Option<&Path>, profile: Option<&str>, args: &RunArgs) -> anyh
             }),
         )
     };
-    if let Some(q) = &args.quiet_hours {
-        let window = parse_quiet(q).map_err(|e| anyhow::anyhow!("--quiet-hours {e}"))?;
-        if in_quiet(local_minute(), window) {
-            eprintln!("quiet hours ({q}): nothing to do");
-            return log("quiet", None, None);
-        }
-    }
-    if let Some(j) = &args.jitter {
-        let max = parse_duration(j).map_err(|e| anyhow::anyhow!("--jitter {e}"))?;
-        let wait = Duration::from_millis(rand::random::<u64>() % max.as_millis().max(1) as u64);
-        std::thread::sleep(wait);
+    let quiet = match &args.quiet_hours {
+        Some(q) => Some(parse_quiet(q).map_err(|e| BadArgument(format!("--quiet-hours {e}")))?),
+        None => None,
+    };
+    let jitter = match &args.jitter {
+        Some(j) => Some(parse_jitter(j)?),
+        None => None,
+    };
+    let wait = jitter.map_or(Duration::ZERO, |max| {
+        Duration::from_millis(rand::random::<u64>() % max.as_millis().max(1) as u64)
+    });
+    if !wait_outside_quiet(quiet, wait, &local_minute, &std::thread::sleep) {
+        eprintln!(
+            "quiet hours ({}): nothing to do",
+            args.quiet_hours.as_deref().unwrap_or_default()
+        );
+        return log("quiet", None, None);
     }
     let guard = Guard::from_args(&args.guard)?;
     let outcome = match args.mode {
@@ -201,8 +240,94 @@ pub struct Job {
     pub log_path: PathBuf,
 }
 
+/// A value that cannot go into a crontab line or a plist: a control character (a newline
+/// would start another crontab line; XML cannot hold most of them).
+#[derive(Debug, thiserror::Error)]
+#[error("{what} holds a control character ({value:?}): it cannot go into a schedule; use a path without one")]
+pub struct UnsafeValue {
+    pub what: String,
+    pub value: String,
+}
+
+impl Job {
+    /// Every value the renderers write is free of control characters.
+    pub fn validate(&self) -> Result<(), UnsafeValue> {
+        let check = |what: &str, v: &str| {
+            if v.chars().any(char::is_control) {
+                return Err(UnsafeValue {
+                    what: what.to_string(),
+                    value: v.to_string(),
+                });
+            }
+            Ok(())
+        };
+        // the environment first: a bad BOT_HOME also spoils the log path, and is the cause
+        for (k, v) in &self.env {
+            check(k, k)?;
+            check(k, v)?;
+        }
+        check("the label", &self.label)?;
+        check(
+            "the path of the bot executable",
+            &self.exe.display().to_string(),
+        )?;
+        check("the log path", &self.log_path.display().to_string())?;
+        for a in &self.args {
+            check("an argument", a)?;
+        }
+        Ok(())
+    }
+}
+
+/// Environment variables a scheduled run needs to see the settings this shell has: every
+/// non-secret `BOT_*` setting (`settings::ENV_SETTINGS`), the Hugging Face cache and endpoint,
+/// and PATH. The app password and HF_TOKEN are secrets and never go into a schedule.
+fn schedule_env(env: &dyn Fn(&str) -> Option<String>) -> Vec<(String, String)> {
+    let names = ["BOT_HOME", "BOT_CONFIG"]
+        .into_iter()
+        .chain(crate::settings::ENV_SETTINGS.iter().copied())
+        .chain([
+            "HF_HOME",
+            "HF_HUB_CACHE",
+            "HF_ENDPOINT",
+            "HF_HUB_OFFLINE",
+            "PATH",
+        ]);
+    names
+        .filter_map(|k| env(k).filter(|v| !v.is_empty()).map(|v| (k.to_string(), v)))
+        .collect()
+}
+
+/// What a scheduled run needs that this shell may have only in its environment: a handle,
+/// and an app password it can read (a file: secrets never go into a schedule).
+fn missing_for_runs(settings: &Settings) -> Vec<String> {
+    let mut missing = Vec::new();
+    if settings.handle.value.is_none() {
+        missing.push(
+            "a Bluesky handle: set `handle` under [bluesky] in the config, or BOT_BSKY_HANDLE"
+                .into(),
+        );
+    }
+    if settings.password_file.value.is_none() {
+        missing.push(
+            "an app password the runs can read: BOT_BSKY_APP_PASSWORD is never copied into a \
+             schedule, so put the app password in a file of mode 0600 and set `password_file` \
+             under [bluesky] (or BOT_BSKY_PASSWORD_FILE)"
+                .into(),
+        );
+    }
+    missing
+}
+
 fn job(settings: &Settings, spec: &ScheduleSpec) -> anyhow::Result<Job> {
-    let every = parse_duration(&spec.every).map_err(|e| anyhow::anyhow!("--every {e}"))?;
+    let every = parse_duration(&spec.every).map_err(|e| BadArgument(format!("--every {e}")))?;
+    if every < Duration::from_secs(60) || every.as_secs() % 60 != 0 {
+        return Err(BadArgument(format!(
+            "--every {}: schedules run in whole minutes, at least 1m",
+            spec.every
+        ))
+        .into());
+    }
     let mut args = Vec::new();
     if let Some(p) = &settings.profile {
         args.extend(["--profile".to_string(), p.clone()]);
@@ -213,27 +338,29 @@ fn job(settings: &Settings, spec: &ScheduleSpec) -> anyhow::Result<Job> {
         RunMode::Auto => "auto".into(),
     });
     if let Some(j) = &spec.jitter {
-        parse_duration(j).map_err(|e| anyhow::anyhow!("--jitter {e}"))?;
+        if parse_jitter(j)? >= every {
+            return Err(BadArgument(format!(
+                "--jitter {j} must be shorter than --every {}: runs would overlap",
+                spec.every
+            ))
+            .into());
+        }
         args.extend(["--jitter".to_string(), j.clone()]);
     }
     if let Some(q) = &spec.quiet_hours {
-        parse_quiet(q).map_err(|e| anyhow::anyhow!("--quiet-hours {e}"))?;
+        parse_quiet(q).map_err(|e| BadArgument(format!("--quiet-hours {e}")))?;
         args.extend(["--quiet-hours".to_string(), q.clone()]);
     }
-    // What a run needs to find its files; never a secret (the app password belongs in the
-    // config's password_file).
-    let env: Vec<(String, String)> = ["BOT_HOME", "BOT_CONFIG", "HF_HOME", "PATH"]
-        .iter()
-        .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_string(), v)))
-        .collect();
-    Ok(Job {
+    let j = Job {
         label: label(settings),
         exe: std::env::current_exe()?,
         args,
         every,
-        env,
+        env: schedule_env(&crate::commands::process_env),
         log_path: settings.paths.data_dir.join("schedule.log"),
-    })
+    };
+    j.validate()?;
+    Ok(j)
 }
 
 /// The launchd label and crontab marker of a profile's schedule.
@@ -251,7 +378,7 @@ fn xml_escape(s: &str) -> String {
         .replace('"', "&quot;")
 }
 
-/// The launchd agent property list.
+/// The launchd agent property list (`validate` keeps control characters out of it).
 pub fn render_plist(j: &Job) -> String {
     let mut s = String::from(
         "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<!DOCTYPE plist PUBLIC \"-//Apple//DTD PLIST 1.0//EN\" \"http://www.apple.com/DTDs/PropertyList-1.0.dtd\">\n<plist version=\"1.0\">\n<dict>\n",
@@ -301,8 +428,10 @@ fn shell_quote(s: &str) -> String {
     }
 }
 
-/// The crontab block: a marker comment and one line.
+/// The crontab block: a marker comment and one line. cron turns an unescaped `%` in the
+/// command into a newline, so every `%` is written `\%` (cron removes the backslash).
 pub fn render_cron(j: &Job) -> Result<String, String> {
+    j.validate().map_err(|e| e.to_string())?;
     let m = j.every.as_secs() / 60;
     let when = match m {
         1..=59 if 60_u64.is_multiple_of(m) => format!("*/{m} * * * *"),
@@ -323,11 +452,15 @@ pub fn render_cron(j: &Job) -> Result<String, String> {
         .map(|(k, v)| format!("{k}={} ", shell_quote(v)))
         .collect();
     let args: Vec<String> = j.args.iter().map(|a| shell_quote(a)).collect();
-    Ok(format!(
-        "# bot:{label} (managed by `bot schedule`; do not edit)\n{when} {env}{} {} >> {} 2>&1\n",
+    let command = format!(
+        "{env}{} {} >> {} 2>&1",
         shell_quote(&j.exe.display().to_string()),
         args.join(" "),
         shell_quote(&j.log_path.display().to_string()),
+    );
+    Ok(format!(
+        "# bot:{label} (managed by `bot schedule`; do not edit)\n{when} {}\n",
+        command.replace('%', "\\%"),
         label = j.label
     ))
 }
@@ -421,15 +554,20 @@ pub fn install(
         ScheduleTarget::Launchd => render_plist(&j),
         ScheduleTarget::Cron => render_cron(&j).map_err(|e| anyhow::anyhow!(e))?,
     };
+    let missing = missing_for_runs(&settings);
     if spec.print {
+        for m in &missing {
+            eprintln!("warning: scheduled runs would lack {m}");
+        }
         print!("{text}");
         return Ok(());
     }
-    if settings.password_file.value.is_none() && std::env::var("BOT_BSKY_APP_PASSWORD").is_ok() {
-        eprintln!(
-            "warning: scheduled runs do not see BOT_BSKY_APP_PASSWORD (secrets never go into the \
-             schedule): set `password_file` under [bluesky], or log in once so the cached session is used"
-        );
+    if !missing.is_empty() {
+        return Err(crate::settings::SettingsError::Missing(format!(
+            "not installed: scheduled runs would fail for lack of {}",
+            missing.join("; and of ")
+        ))
+        .into());
     }
     crate::bluesky::session::private_dir(&settings.paths.data_dir)?;
     match target {
@@ -522,6 +660,45 @@ pub fn remove(
 
 #[cfg(test)]
 mod tests {
+    /// #18.9: quiet hours were checked only before the jitter wait, so a run that woke up
+    /// inside them posted anyway. The time is read again after the wait.
+    #[test]
+    fn quiet_hours_are_checked_after_the_jitter_wait() {
+        use std::cell::Cell;
+        let quiet = Some(parse_quiet("23:00-08:00").unwrap());
+        let clock = Cell::new(22 * 60 + 50);
+        let slept = Cell::new(Duration::ZERO);
+        let now = || clock.get();
+        let sleep = |d: Duration| {
+            slept.set(d);
+            clock.set(clock.get() + (d.as_secs() / 60) as u32);
+        };
+        // 22:50 plus a 20-minute wait is 23:10: quiet
+        assert!(!wait_outside_quiet(
+            quiet,
+            Duration::from_secs(20 * 60),
+            &now,
+            &sleep
+        ));
+        assert_eq!(slept.get(), Duration::from_secs(20 * 60));
+        clock.set(12 * 60);
+        assert!(wait_outside_quiet(
+            quiet,
+            Duration::from_secs(60),
+            &now,
+            &sleep
+        ));
+        clock.set(23 * 60 + 30);
+        slept.set(Duration::ZERO);
+        assert!(!wait_outside_quiet(
+            quiet,
+            Duration::from_secs(60),
+            &now,
+            &sleep
+        ));
+        assert_eq!(slept.get(), Duration::ZERO, "no wait when already quiet");
+    }
+
     use super::*;
 
     fn job() -> Job {

@@ -11,6 +11,10 @@ use std::str::FromStr;
 use serde::Deserialize;
 
 pub const DEFAULT_MODEL: &str = "lmstudio-community/Qwen3-8B-MLX-4bit";
+/// More worker threads than this is a typo (each is a real OS thread).
+pub const MAX_THREADS: usize = 1024;
+/// Longest post generation asked for (a post is at most 300 graphemes).
+pub const MAX_NEW_TOKENS: usize = 8192;
 pub const DEFAULT_SERVICE: &str = "https://bsky.social";
 
 #[derive(Debug, thiserror::Error)]
@@ -33,7 +37,31 @@ pub enum SettingsError {
     NoHome,
     #[error("profile {name:?} is not defined in {path} (add a [profiles.{name}] table)")]
     UnknownProfile { name: String, path: PathBuf },
+    #[error("{0}")]
+    Missing(String),
 }
+
+/// The `BOT_*` variables that carry settings (not secrets): what a schedule passes on.
+pub const ENV_SETTINGS: &[&str] = &[
+    "BOT_MODEL",
+    "BOT_ADAPTER",
+    "BOT_PROMPTS",
+    "BOT_SYSTEM",
+    "BOT_TEMPERATURE",
+    "BOT_TOP_P",
+    "BOT_MIN_P",
+    "BOT_TOP_K",
+    "BOT_REPETITION_PENALTY",
+    "BOT_MAX_TOKENS",
+    "BOT_MIN_CHARS",
+    "BOT_ATTEMPTS",
+    "BOT_DEVICE",
+    "BOT_THREADS",
+    "BOT_BSKY_SERVICE",
+    "BOT_BSKY_HANDLE",
+    "BOT_BSKY_PASSWORD_FILE",
+    "BOT_LANGS",
+];
 
 /// Where a value came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -468,15 +496,80 @@ impl Settings {
             profile,
             config_found,
         };
-        if s.attempts.value == 0 {
-            return Err(SettingsError::Value {
-                origin: s.attempts.source.to_string(),
-                field: "attempts".into(),
-                value: "0".into(),
-                why: "at least 1".into(),
-            });
+        let mut s = s;
+        s.validate()?;
+        // `@alice.bsky.social`, as handles are written in posts, is the handle `alice.bsky.social`
+        if let Some(h) = &mut s.handle.value {
+            *h = h.trim().trim_start_matches('@').to_string();
         }
         Ok(s)
+    }
+
+    /// Values that parse but cannot work, refused here with where they came from.
+    fn validate(&self) -> Result<(), SettingsError> {
+        fn bad<T: fmt::Display>(s: &Sourced<T>, field: &str, why: &str) -> SettingsError {
+            SettingsError::Value {
+                origin: s.source.to_string(),
+                field: field.into(),
+                value: s.value.to_string(),
+                why: why.into(),
+            }
+        }
+        if self.attempts.value == 0 {
+            return Err(bad(&self.attempts, "attempts", "at least 1"));
+        }
+        if !matches!(
+            self.device.value.as_str(),
+            "auto" | "cpu" | "cuda" | "metal"
+        ) {
+            return Err(bad(
+                &self.device,
+                "device",
+                "expected auto, cpu, cuda or metal",
+            ));
+        }
+        if let Some(n) = self.threads.value {
+            if !(1..=MAX_THREADS).contains(&n) {
+                let why = format!("expected 1 to {MAX_THREADS} worker threads");
+                return Err(SettingsError::Value {
+                    origin: self.threads.source.to_string(),
+                    field: "threads".into(),
+                    value: n.to_string(),
+                    why,
+                });
+            }
+        }
+        if self.max_tokens.value == 0 || self.max_tokens.value > MAX_NEW_TOKENS {
+            let why = format!("expected 1 to {MAX_NEW_TOKENS} tokens");
+            return Err(bad(&self.max_tokens, "max_tokens", &why));
+        }
+        for (v, field) in [
+            (&self.temperature, "temperature"),
+            (&self.top_p, "top_p"),
+            (&self.min_p, "min_p"),
+        ] {
+            let ok =
+                v.value.is_finite() && v.value >= 0.0 && (field == "temperature" || v.value <= 1.0);
+            if !ok {
+                let why = if field == "temperature" {
+                    "a finite number >= 0"
+                } else {
+                    "a number in [0, 1]"
+                };
+                return Err(bad(v, field, why));
+            }
+        }
+        if let Some(p) = self.repetition_penalty.value {
+            if !(p.is_finite() && p >= 0.0) {
+                return Err(SettingsError::Value {
+                    origin: self.repetition_penalty.source.to_string(),
+                    field: "repetition_penalty".into(),
+                    value: p.to_string(),
+                    why: "a finite number >= 0".into(),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// `bot config show`: every effective value with its source; secrets never printed.

@@ -39,6 +39,8 @@ pub struct PostRow {
     pub created_at: String,
     pub posted_at: Option<String>,
     pub draft_id: Option<i64>,
+    /// The exact record JSON that was (or is being) sent under `rkey`.
+    pub record: String,
 }
 
 /// A post about to be sent.
@@ -82,6 +84,32 @@ CREATE TABLE IF NOT EXISTS posts (
 CREATE INDEX IF NOT EXISTS posts_by_account ON posts (account, id);
 ";
 
+/// Schema changes after the first one, applied in order inside `BEGIN IMMEDIATE`
+/// transactions (with foreign keys off, as SQLite's table rebuild needs); `user_version`
+/// counts those applied, so an older database catches up on open and a concurrent opener
+/// waits and finds the work done.
+const MIGRATIONS: &[&str] = &[
+    // 1: a draft the duplicate or training-data guard turned down becomes `refused`, with a
+    // note saying why, so the queue moves on to the next one.
+    "CREATE TABLE drafts_v1 (
+        id INTEGER PRIMARY KEY,
+        text TEXT NOT NULL,
+        raw TEXT,
+        prompt TEXT,
+        seed INTEGER,
+        model TEXT,
+        adapter TEXT,
+        created_at TEXT NOT NULL,
+        status TEXT NOT NULL CHECK (status IN ('new', 'approved', 'rejected', 'posted', 'refused')),
+        uri TEXT,
+        note TEXT
+    );
+    INSERT INTO drafts_v1 (id, text, raw, prompt, seed, model, adapter, created_at, status, uri)
+        SELECT id, text, raw, prompt, seed, model, adapter, created_at, status, uri FROM drafts;
+    DROP TABLE drafts;
+    ALTER TABLE drafts_v1 RENAME TO drafts;",
+];
+
 impl Store {
     pub fn open(data_dir: &Path) -> Result<Self, StoreError> {
         crate::bluesky::session::private_dir(data_dir).map_err(|source| StoreError::Io {
@@ -97,8 +125,9 @@ impl Store {
         s.exec(|c| {
             c.busy_timeout(std::time::Duration::from_secs(30))?;
             c.pragma_update(None, "journal_mode", "WAL")?;
-            c.pragma_update(None, "foreign_keys", "ON")?;
-            c.execute_batch(SCHEMA)
+            c.execute_batch(SCHEMA)?;
+            migrate(c)?;
+            c.pragma_update(None, "foreign_keys", "ON")
         })?;
         Ok(s)
     }
@@ -187,6 +216,7 @@ impl Store {
                     created_at: r.get(7)?,
                     posted_at: r.get(8)?,
                     draft_id: r.get(9)?,
+                    record: r.get(10)?,
                 })
             })?;
             rows.collect()
@@ -194,7 +224,7 @@ impl Store {
     }
 
     const COLS: &'static str =
-        "id, account, rkey, text, status, uri, cid, created_at, posted_at, draft_id";
+        "id, account, rkey, text, status, uri, cid, created_at, posted_at, draft_id, record";
 
     pub fn pending(&self, account: &str) -> Result<Vec<PostRow>, StoreError> {
         self.rows(
@@ -241,13 +271,16 @@ impl Store {
 }
 
 /// A draft's life: `new` → `approved` | `rejected`; `approved` ⇄ `rejected` while unposted;
-/// `approved` → `posted` only through publishing. `posted` is final.
+/// `approved` → `posted` only through publishing, or → `refused` when the guard turns it down
+/// at publishing time (a person may approve or reject it again, after editing). `posted` is
+/// final.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DraftStatus {
     New,
     Approved,
     Rejected,
     Posted,
+    Refused,
 }
 
 impl DraftStatus {
@@ -257,6 +290,7 @@ impl DraftStatus {
             DraftStatus::Approved => "approved",
             DraftStatus::Rejected => "rejected",
             DraftStatus::Posted => "posted",
+            DraftStatus::Refused => "refused",
         }
     }
     pub fn parse(s: &str) -> Option<Self> {
@@ -265,6 +299,7 @@ impl DraftStatus {
             "approved" => DraftStatus::Approved,
             "rejected" => DraftStatus::Rejected,
             "posted" => DraftStatus::Posted,
+            "refused" => DraftStatus::Refused,
             _ => return None,
         })
     }
@@ -273,7 +308,12 @@ impl DraftStatus {
         use DraftStatus::*;
         matches!(
             (self, to),
-            (New, Approved) | (New, Rejected) | (Approved, Rejected) | (Rejected, Approved)
+            (New, Approved)
+                | (New, Rejected)
+                | (Approved, Rejected)
+                | (Rejected, Approved)
+                | (Refused, Approved)
+                | (Refused, Rejected)
         )
     }
 }
@@ -290,6 +330,8 @@ pub struct Draft {
     pub created_at: String,
     pub status: String,
     pub uri: Option<String>,
+    /// Why the guard refused it, for a `refused` draft.
+    pub note: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -325,7 +367,7 @@ impl Store {
     }
 
     const DRAFT_COLS: &'static str =
-        "id, text, raw, prompt, seed, model, adapter, created_at, status, uri";
+        "id, text, raw, prompt, seed, model, adapter, created_at, status, uri, note";
 
     fn drafts_where(&self, cond: &str, p: impl rusqlite::Params) -> Result<Vec<Draft>, StoreError> {
         self.exec(|c| {
@@ -345,6 +387,7 @@ impl Store {
                     created_at: r.get(7)?,
                     status: r.get(8)?,
                     uri: r.get(9)?,
+                    note: r.get(10)?,
                 })
             })?;
             rows.collect()
@@ -372,6 +415,7 @@ impl Store {
             DraftStatus::New,
             DraftStatus::Approved,
             DraftStatus::Rejected,
+            DraftStatus::Refused,
         ]
         .into_iter()
         .filter(|f| f.can_become(to))
@@ -399,6 +443,28 @@ impl Store {
                 id,
                 from: d.status,
                 to: to.as_str().into(),
+            }),
+        }
+    }
+
+    /// The guard turned an approved draft down at publishing time: it leaves the queue with
+    /// the reason, until a person approves it again.
+    pub fn refuse_draft(&self, id: i64, why: &str) -> Result<(), DraftError> {
+        let changed = self.exec(|c| {
+            c.execute(
+                "UPDATE drafts SET status = 'refused', note = ?2 WHERE id = ?1 AND status = 'approved'",
+                params![id, why],
+            )
+        })?;
+        if changed == 1 {
+            return Ok(());
+        }
+        match self.draft(id)? {
+            None => Err(DraftError::NotFound(id)),
+            Some(d) => Err(DraftError::Transition {
+                id,
+                from: d.status,
+                to: "refused".into(),
             }),
         }
     }
@@ -449,9 +515,63 @@ impl Store {
     }
 }
 
+/// Applies the migrations this database lacks.
+fn migrate(c: &Connection) -> rusqlite::Result<()> {
+    c.pragma_update(None, "foreign_keys", "OFF")?;
+    loop {
+        c.execute_batch("BEGIN IMMEDIATE")?;
+        let version: i64 = c.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+        let Some(step) = MIGRATIONS.get(version.max(0) as usize) else {
+            c.execute_batch("COMMIT")?;
+            return Ok(());
+        };
+        let applied = c
+            .execute_batch(step)
+            .and_then(|_| c.pragma_update(None, "user_version", version + 1))
+            .and_then(|_| c.execute_batch("COMMIT"));
+        if let Err(e) = applied {
+            let _ = c.execute_batch("ROLLBACK");
+            return Err(e);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A database made before the migrations opens, gains `refused`, and keeps its drafts.
+    #[test]
+    fn old_databases_are_migrated() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let c = Connection::open(dir.path().join("bot.sqlite3")).unwrap();
+            c.execute_batch(SCHEMA).unwrap();
+            c.execute(
+                "INSERT INTO drafts (text, created_at, status) VALUES ('kept', 't', 'approved')",
+                [],
+            )
+            .unwrap();
+        }
+        let s = Store::open(dir.path()).unwrap();
+        let d = s.drafts(None).unwrap();
+        assert_eq!(d.len(), 1);
+        assert_eq!(d[0].text, "kept");
+        s.refuse_draft(d[0].id, "too similar").unwrap();
+        let d = s.draft(d[0].id).unwrap().unwrap();
+        assert_eq!(
+            (d.status.as_str(), d.note.as_deref()),
+            ("refused", Some("too similar"))
+        );
+        drop(s);
+        // opening again applies nothing twice
+        let s = Store::open(dir.path()).unwrap();
+        let v: i64 = s
+            .conn()
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(v as usize, MIGRATIONS.len());
+    }
 
     #[test]
     fn draft_state_machine() {

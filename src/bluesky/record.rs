@@ -47,6 +47,11 @@ pub enum TextError {
     TooManyGraphemes { graphemes: usize },
     #[error("the post has {bytes} bytes of UTF-8; Bluesky allows at most {MAX_BYTES}")]
     TooManyBytes { bytes: usize },
+    #[error(
+        "the post holds the control character U+{code:04X} at byte {at}: only newlines and \
+         tabs are text (NUL, ESC and the rest would reach readers' screens as garbage)"
+    )]
+    ControlCharacter { code: u32, at: usize },
 }
 
 /// Checks the lexicon's limits (before anything is sent).
@@ -60,6 +65,12 @@ pub fn check_text(text: &str) -> Result<(), TextError> {
     }
     if text.len() > MAX_BYTES {
         return Err(TextError::TooManyBytes { bytes: text.len() });
+    }
+    if let Some((at, c)) = text
+        .char_indices()
+        .find(|&(_, c)| c.is_control() && c != '\n' && c != '\t')
+    {
+        return Err(TextError::ControlCharacter { code: c as u32, at });
     }
     Ok(())
 }
@@ -228,6 +239,17 @@ pub fn post_record(text: &str, created_at: &str, langs: &[String], facets: Vec<V
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn control_characters_are_refused() {
+        for bad in ["a\u{0}b", "a\u{1b}[31mb", "a\u{7f}b", "a\rb"] {
+            assert!(
+                matches!(check_text(bad), Err(TextError::ControlCharacter { .. })),
+                "{bad:?}"
+            );
+        }
+        assert!(check_text("two\nlines\tand a tab").is_ok());
+    }
+
     use super::*;
     use std::time::Duration;
 

@@ -34,6 +34,18 @@ pub enum XrpcError {
     },
     #[error("{nsid}: unreadable response: {why}")]
     Decode { nsid: String, why: String },
+    /// The server answered with a redirect. XRPC calls carry passwords and tokens, so they
+    /// are never sent on to another address.
+    #[error(
+        "{nsid}: {url} answered HTTP {status} redirecting to {location}; bot never follows \
+         redirects with credentials: set the service to the address that answers directly"
+    )]
+    Redirect {
+        nsid: String,
+        url: String,
+        status: u16,
+        location: String,
+    },
 }
 
 impl XrpcError {
@@ -121,6 +133,7 @@ impl Xrpc {
     pub fn new(policy: RetryPolicy) -> Result<Self, XrpcError> {
         let http = Client::builder()
             .timeout(policy.request_timeout)
+            .redirect(reqwest::redirect::Policy::none())
             .user_agent(concat!("bot/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| XrpcError::Transport {
@@ -147,11 +160,34 @@ impl Xrpc {
         if let Some(t) = token {
             req = req.bearer_auth(t);
         }
-        req.send().map_err(|e| XrpcError::Transport {
+        let resp = req.send().map_err(|e| XrpcError::Transport {
             nsid: nsid.into(),
-            url,
-            why: e.to_string(),
-        })
+            url: url.clone(),
+            why: if e.is_timeout() {
+                format!(
+                    "timed out after {:.1} s waiting for an answer",
+                    self.policy.request_timeout.as_secs_f64()
+                )
+            } else if e.is_connect() {
+                format!("cannot connect ({})", root_cause(&e))
+            } else {
+                root_cause(&e)
+            },
+        })?;
+        if resp.status().is_redirection() {
+            return Err(XrpcError::Redirect {
+                nsid: nsid.into(),
+                url,
+                status: resp.status().as_u16(),
+                location: resp
+                    .headers()
+                    .get(reqwest::header::LOCATION)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("(no Location)")
+                    .to_string(),
+            });
+        }
+        Ok(resp)
     }
 
     fn decode(nsid: &str, resp: Response) -> Result<Value, XrpcError> {
@@ -233,6 +269,16 @@ impl Xrpc {
             backoff = (backoff * 2).min(self.policy.max_backoff);
         }
     }
+}
+
+/// The innermost cause of an error, which says what happened ("connection refused") where
+/// reqwest's own message only says "error sending request for url".
+fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut cause = e;
+    while let Some(next) = cause.source() {
+        cause = next;
+    }
+    cause.to_string()
 }
 
 #[cfg(test)]

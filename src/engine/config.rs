@@ -112,13 +112,12 @@ impl Fields<'_> {
     }
 }
 
-fn eos_ids(v: Option<&Value>) -> Vec<u32> {
+/// `eos_token_id` as a number or a list; an id that is no u32 is kept as u64 so the
+/// vocabulary check below can name it instead of it wrapping to another token.
+fn eos_ids(v: Option<&Value>) -> Vec<u64> {
     match v {
-        Some(Value::Number(n)) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .filter_map(|x| x.as_u64().map(|n| n as u32))
-            .collect(),
+        Some(Value::Number(n)) => n.as_u64().map(|n| vec![n]).unwrap_or_default(),
+        Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).collect(),
         _ => Vec::new(),
     }
 }
@@ -204,6 +203,37 @@ impl Qwen3Config {
             None | Some(Value::Null) => None,
             Some(q) => Some(parse_quant(path, q)?),
         };
+        let vocab_size = f.usize("vocab_size")?;
+        if let Some(bad) = eos_token_ids.iter().find(|&&id| id >= vocab_size as u64) {
+            return Err(f.err(
+                "eos_token_id",
+                format!("{bad} is not a token of the vocabulary (size {vocab_size})"),
+            ));
+        }
+        let rms_norm_eps = f.f64("rms_norm_eps")?.unwrap_or(1e-6);
+        if !(rms_norm_eps > 0.0 && rms_norm_eps < 1.0) {
+            return Err(f.err(
+                "rms_norm_eps",
+                format!("expected a small positive number, found {rms_norm_eps}"),
+            ));
+        }
+        if !(rope_theta.is_finite() && rope_theta > 1.0) {
+            return Err(f.err(
+                "rope_theta",
+                format!("expected a finite base above 1, found {rope_theta}"),
+            ));
+        }
+        for (field, v) in [
+            ("hidden_size", hidden_size),
+            ("num_attention_heads", num_attention_heads),
+            ("num_key_value_heads", num_key_value_heads),
+            ("head_dim", head_dim),
+            ("vocab_size", vocab_size),
+        ] {
+            if v == 0 || v > 1 << 24 {
+                return Err(f.err(field, format!("expected 1 to 2^24, found {v}")));
+            }
+        }
         Ok(Qwen3Config {
             hidden_size,
             intermediate_size: f.usize("intermediate_size")?,
@@ -211,15 +241,15 @@ impl Qwen3Config {
             num_attention_heads,
             num_key_value_heads,
             head_dim,
-            rms_norm_eps: f.f64("rms_norm_eps")?.unwrap_or(1e-6),
+            rms_norm_eps,
             rope_theta,
-            vocab_size: f.usize("vocab_size")?,
+            vocab_size,
             tie_word_embeddings: v
                 .get("tie_word_embeddings")
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
             max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(40960),
-            eos_token_ids,
+            eos_token_ids: eos_token_ids.into_iter().map(|id| id as u32).collect(),
             quantization,
             path: path.to_path_buf(),
         })
@@ -371,6 +401,27 @@ fn parse_quant(path: &Path, q: &Value) -> Result<QuantConfig> {
 
 #[cfg(test)]
 mod tests {
+    /// #18.12: an EOS id past u32 wrapped to token 0; impossible eps and theta made NaN.
+    #[test]
+    fn eos_eps_and_theta_are_checked() {
+        let base = BASE.replace("\"eos_token_id\":5", "\"rope_theta\":10000.0");
+        for (extra, field) in [
+            (",\"eos_token_id\":1099511627776", "eos_token_id"),
+            (",\"eos_token_id\":[5,512]", "eos_token_id"),
+            (",\"rms_norm_eps\":-1", "rms_norm_eps"),
+        ] {
+            let t = format!("{base}{extra}}}");
+            let e = Qwen3Config::parse(Path::new("c.json"), &t, None).unwrap_err();
+            assert!(e.to_string().contains(field), "{extra}: {e}");
+        }
+        let t = format!(
+            "{}}}",
+            BASE.replace("\"eos_token_id\":5", "\"rope_theta\":0")
+        );
+        let e = Qwen3Config::parse(Path::new("c.json"), &t, None).unwrap_err();
+        assert!(e.to_string().contains("rope_theta"), "{e}");
+    }
+
     use super::*;
 
     const BASE: &str = r#"{"model_type":"qwen3","hidden_size":128,"intermediate_size":256,

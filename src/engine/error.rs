@@ -55,6 +55,12 @@ pub enum EngineError {
     )]
     NonFiniteLogits,
 
+    #[error(
+        "{tokens} tokens do not fit the model's context of {max} positions \
+         (max_position_embeddings): use a shorter prompt or fewer tokens"
+    )]
+    ContextFull { tokens: usize, max: usize },
+
     #[error("{0}")]
     Invalid(String),
 

@@ -39,6 +39,9 @@ pub struct Adapter {
     pub branches: BTreeMap<String, LoraBranch>,
 }
 
+/// Largest adapter scale accepted: far above any trained adapter, far below overflow.
+const MAX_SCALE: f64 = 1e4;
+
 impl Adapter {
     /// Loads an adapter directory. Shapes are checked against the model later, by
     /// `check_module`, when each projection is built.
@@ -66,6 +69,12 @@ impl Adapter {
         let scale = lp.get("scale").and_then(Value::as_f64).ok_or_else(|| {
             err("field `lora_parameters.scale` is missing or not a number".into())
         })?;
+        if !(scale.is_finite() && scale.abs() <= MAX_SCALE) {
+            return Err(err(format!(
+                "lora_parameters.scale is {scale}: expected a finite number within ±{MAX_SCALE} \
+                 (mlx_lm uses it as is; adapters are trained with 1 to a few tens)"
+            )));
+        }
         let rank_cfg = lp.get("rank").and_then(Value::as_u64).map(|r| r as usize);
 
         let st_path = dir.join("adapters.safetensors");
@@ -105,6 +114,13 @@ impl Adapter {
                         "rank {r} differs from the adapter's other tensors ({})",
                         rank.unwrap_or(0)
                     ),
+                });
+            }
+            if let Some(i) = t.to_f32_vec()?.iter().position(|v| !v.is_finite()) {
+                return Err(EngineError::BadTensor {
+                    path: st_path.clone(),
+                    name: name.clone(),
+                    why: format!("element {i} is NaN or infinite"),
                 });
             }
             let e = pairs.entry(module).or_default();

@@ -22,6 +22,9 @@ use super::sample_cpu::CpuSampler;
 use super::sample_op::{split_output, SampleOp};
 use super::weights::WeightStore;
 
+/// Prompts longer than this run in chunks of this many tokens (bounded memory for any length).
+const PREFILL_CHUNK: usize = 512;
+
 /// Run-time choices that do not change the model.
 #[derive(Debug, Clone)]
 pub struct ModelOptions {
@@ -248,7 +251,36 @@ impl Embedding {
 fn rms_norm_weight(store: &WeightStore, name: &str, dim: usize, dev: &Device) -> Result<Tensor> {
     let t = store.require(name)?;
     t.expect_shape(&[dim])?;
+    if let Some(i) = t.to_f32_vec()?.iter().position(|v| !v.is_finite()) {
+        return Err(EngineError::BadTensor {
+            path: store.dir.clone(),
+            name: name.into(),
+            why: format!("element {i} is NaN or infinite"),
+        });
+    }
     t.to_candle_f32(dev)
+}
+
+/// A checkpoint with more layers than its config names is not the model the config
+/// describes (a truncated config, or weights of another model): refused, not half-used.
+fn check_layer_count(cfg: &Qwen3Config, store: &WeightStore) -> Result<()> {
+    for name in store.names() {
+        let Some(rest) = name.strip_prefix("model.layers.") else {
+            continue;
+        };
+        let n: Option<usize> = rest.split('.').next().and_then(|n| n.parse().ok());
+        if let Some(n) = n.filter(|&n| n >= cfg.num_hidden_layers) {
+            return Err(EngineError::Config {
+                path: cfg.path.clone(),
+                field: "num_hidden_layers".into(),
+                why: format!(
+                    "is {}, but the weights hold layer {n} (`{name}`): the config and the weights disagree",
+                    cfg.num_hidden_layers
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// cos/sin of the half-split RoPE for the positions of one forward pass, (L, head_dim/2), as
@@ -500,6 +532,7 @@ impl Qwen3 {
     ) -> Result<Self> {
         let mut adapter = adapter;
         let opts = &effective_options(opts);
+        check_layer_count(&cfg, store)?;
         let h = cfg.hidden_size;
         let embed = Weight::load(
             store,
@@ -770,8 +803,42 @@ impl Qwen3 {
         Ok(ForwardOutput { logits, hidden })
     }
 
+    /// Refuses `more` tokens past the cache when they would not fit the context.
+    pub fn check_room(&self, more: usize) -> Result<()> {
+        let tokens = self.cached.len().saturating_add(more);
+        if tokens > self.cfg.max_position_embeddings {
+            return Err(EngineError::ContextFull {
+                tokens,
+                max: self.cfg.max_position_embeddings,
+            });
+        }
+        Ok(())
+    }
+
+    /// Runs all of `ids` but its last `PREFILL_CHUNK` (or fewer) tokens, in chunks of that
+    /// size, so a long prompt never needs activations, masks or attention scores for all of
+    /// it at once; returns what is left to run.
+    fn prefill_chunks<'a>(&mut self, ids: &'a [u32]) -> Result<&'a [u32]> {
+        self.check_room(ids.len())?;
+        let mut rest = ids;
+        while rest.len() > PREFILL_CHUNK {
+            let (chunk, tail) = rest.split_at(PREFILL_CHUNK);
+            #[cfg(feature = "cuda")]
+            if let Some(f) = &mut self.fused {
+                f.forward(chunk, self.cached.len(), false, false)?;
+                self.cached.extend_from_slice(chunk);
+                rest = tail;
+                continue;
+            }
+            self.forward(chunk, false, false)?;
+            rest = tail;
+        }
+        Ok(rest)
+    }
+
     /// Logits of the last position of `ids`, as a host vector.
     pub fn next_logits(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
+        let ids = self.prefill_chunks(ids)?;
         #[cfg(feature = "cuda")]
         if let Some(f) = &mut self.fused {
             if ids.is_empty() {
@@ -790,6 +857,7 @@ impl Qwen3 {
     /// Runs `ids` at the cache position and samples the next token where the logits are: on
     /// the GPU only the token and its log-probability come back to the host.
     pub fn next_token(&mut self, ids: &[u32], s: &SampleStep) -> Result<Sampled> {
+        let ids = self.prefill_chunks(ids)?;
         #[cfg(feature = "cuda")]
         if let Some(f) = &mut self.fused {
             if ids.is_empty() {
@@ -830,6 +898,7 @@ impl Qwen3 {
     /// Greedy decoding with the KV cache after a prompt; does not stop at EOS.
     pub fn greedy(&mut self, prompt: &[u32], steps: usize) -> Result<(Vec<f32>, Vec<u32>)> {
         self.reset();
+        self.check_room(prompt.len().saturating_add(steps))?;
         let first = self.next_logits(prompt)?;
         let mut ids = Vec::with_capacity(steps);
         let mut logits = first.clone();

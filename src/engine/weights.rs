@@ -197,6 +197,22 @@ pub fn parse_header(
             },
         );
     }
+    // Two tensors sharing bytes is a corrupt (or crafted) file: writes to one would be reads
+    // of the other, and the format forbids it.
+    let mut spans: Vec<(&str, usize, usize)> = tensors
+        .iter()
+        .filter(|(_, t)| t.end > t.begin)
+        .map(|(n, t)| (n.as_str(), t.begin, t.end))
+        .collect();
+    spans.sort_by_key(|&(_, b, e)| (b, e));
+    for w in spans.windows(2) {
+        if w[1].1 < w[0].2 {
+            return Err(format!(
+                "tensors `{}` and `{}` overlap (bytes [{}, {}) and [{}, {}) of the data section)",
+                w[0].0, w[1].0, w[0].1, w[0].2, w[1].1, w[1].2
+            ));
+        }
+    }
     Ok((data_start, tensors))
 }
 
@@ -361,6 +377,22 @@ impl WeightStore {
                 .values()
                 .filter_map(|s| s.as_str().map(str::to_string))
                 .collect();
+            // shards live in the model directory: a name that leads elsewhere is refused
+            if let Some(bad) = shards.iter().find(|s| {
+                s.is_empty()
+                    || s.contains(['/', '\\'])
+                    || s.starts_with('.')
+                    || s.chars().any(char::is_control)
+                    || !s.ends_with(".safetensors")
+            }) {
+                return Err(EngineError::Config {
+                    path: index_path.clone(),
+                    field: "weight_map".into(),
+                    why: format!(
+                        "shard {bad:?} is not a plain *.safetensors file name in the model directory"
+                    ),
+                });
+            }
             shards.sort();
             shards.dedup();
             names = shards.into_iter().map(|s| dir.join(s)).collect();
@@ -416,6 +448,11 @@ impl WeightStore {
         self.index.get(name).and_then(|&i| self.files[i].get(name))
     }
 
+    /// Every tensor name, in order.
+    pub fn names(&self) -> impl Iterator<Item = &str> + '_ {
+        self.index.keys().map(String::as_str)
+    }
+
     pub fn require(&self, name: &str) -> Result<HostTensor> {
         self.get(name).ok_or_else(|| EngineError::MissingTensor {
             dir: self.dir.clone(),
@@ -427,6 +464,20 @@ impl WeightStore {
 
 #[cfg(test)]
 mod tests {
+    /// #18.12: two tensors sharing bytes were accepted.
+    #[test]
+    fn overlapping_tensors_are_refused() {
+        let h = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}"#;
+        let e = parse_header(&{
+            let mut b = (h.len() as u64).to_le_bytes().to_vec();
+            b.extend(h.as_bytes());
+            b.extend([0u8; 12]);
+            b
+        })
+        .unwrap_err();
+        assert!(e.contains("`a` and `b` overlap"), "{e}");
+    }
+
     use super::*;
 
     fn file(header: &str, data: &[u8]) -> Vec<u8> {

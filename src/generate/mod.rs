@@ -45,6 +45,15 @@ pub enum GenerateError {
     },
     #[error("invalid sampling settings: {0}")]
     Sampling(String),
+    #[error(
+        "the prompt is {prompt_tokens} tokens and up to {max_tokens} more would be generated, \
+         past the model's context of {context}: shorten the prompt (or the system turn) or lower --max-tokens"
+    )]
+    PromptTooLong {
+        prompt_tokens: usize,
+        max_tokens: usize,
+        context: usize,
+    },
     #[error("the model produced NaN/Inf logits at token {token} of attempt {attempt}: its weights or config (norm eps, rope theta, LoRA scale) make the arithmetic overflow; nothing was generated from them")]
     NonFinite { token: usize, attempt: usize },
 }
@@ -270,6 +279,14 @@ impl Generator {
         } else {
             0
         };
+        let context = self.model.cfg.max_position_embeddings;
+        if prompt_ids.len() + req.max_tokens > context {
+            return Err(GenerateError::PromptTooLong {
+                prompt_tokens: prompt_ids.len(),
+                max_tokens: req.max_tokens,
+                context,
+            });
+        }
         let seed: u64 = rng.random();
         let start = Instant::now();
         let mut last_len = 0;

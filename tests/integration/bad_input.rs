@@ -256,3 +256,58 @@ fn cli_reports_bad_input_on_stderr_with_nonzero_exit() {
     );
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// #18.12: a shard name in the index that leads out of the model directory was opened.
+#[test]
+fn shard_names_that_leave_the_directory_are_refused() {
+    let s = scratch();
+    let index = s.model.join("model.safetensors.index.json");
+    for bad in [
+        "../model.safetensors",
+        "/etc/passwd.safetensors",
+        ".hidden.safetensors",
+    ] {
+        edit_json(&index, |v| {
+            let map = v["weight_map"].as_object_mut().unwrap();
+            let k = map.keys().next().unwrap().clone();
+            map[&k] = bad.into();
+        });
+        let e = load_err(&s.model, None);
+        assert_has(
+            &e,
+            &["model.safetensors.index.json", "weight_map", "not a plain"],
+        );
+    }
+}
+
+/// #18.12: `num_hidden_layers` below the weights' layer count silently dropped layers.
+#[test]
+fn fewer_layers_in_config_than_in_weights_is_refused() {
+    let s = scratch();
+    edit_json(&s.model.join("config.json"), |v| {
+        v["num_hidden_layers"] = 3.into()
+    });
+    let e = load_err(&s.model, None);
+    assert_has(&e, &["num_hidden_layers", "is 3", "layer 3"]);
+}
+
+/// #18.10: prompts past 512 tokens run in chunks (bounded memory); the result is the same
+/// model output as running them whole, within f32 rounding.
+#[test]
+fn chunked_prefill_equals_one_pass() {
+    let opts = ModelOptions::default();
+    let mut m = engine::load(&fixtures().join("q4g64"), None, &opts).unwrap();
+    let ids: Vec<u32> = (0..1200u32).map(|i| (i * 7919) % 500).collect();
+    let chunked = m.next_logits(&ids).unwrap();
+    m.reset();
+    let whole = m.forward(&ids, false, false).unwrap().logits;
+    let whole: Vec<f32> = whole.flatten_all().unwrap().to_vec1().unwrap();
+    let scale = whole.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let err = chunked
+        .iter()
+        .zip(&whole)
+        .fold(0f32, |a, (x, y)| a.max((x - y).abs()))
+        / scale;
+    assert!(err < 1e-4, "relative error {err}");
+    assert_eq!(m.offset(), 1200);
+}

@@ -387,6 +387,9 @@ pub enum Fault {
     /// The request is (or, with `forward: false`, is not) applied and the client is left
     /// waiting for an answer that never comes, so the test can kill it mid-send.
     Hold { forward: bool },
+    /// The request is held, not forwarded, until the test says so (a second message on the
+    /// returned channel's partner: see `faulty_proxy_late`); then it reaches the PDS late.
+    Late,
 }
 
 /// A proxy that forwards to the PDS except for the first createRecord, to which it applies
@@ -395,6 +398,23 @@ pub fn faulty_proxy(
     target: &str,
     fault: Fault,
 ) -> (String, Arc<AtomicUsize>, std::sync::mpsc::Receiver<()>) {
+    let (url, creates, handled, _release) = faulty_proxy_late(target, fault);
+    (url, creates, handled)
+}
+
+/// `faulty_proxy` that also returns the sender releasing a `Fault::Late` request; `handled`
+/// gets a message when the request is held and another once the PDS answered it.
+pub fn faulty_proxy_late(
+    target: &str,
+    fault: Fault,
+) -> (
+    String,
+    Arc<AtomicUsize>,
+    std::sync::mpsc::Receiver<()>,
+    std::sync::mpsc::Sender<()>,
+) {
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    let release_rx = Arc::new(std::sync::Mutex::new(release_rx));
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let target = target.trim_start_matches("http://").to_string();
@@ -404,10 +424,11 @@ pub fn faulty_proxy(
     std::thread::spawn(move || {
         for client in listener.incoming().flatten() {
             let (target, creates, tx) = (target.clone(), c2.clone(), tx.clone());
-            std::thread::spawn(move || proxy_one(client, &target, &creates, fault, tx));
+            let release = release_rx.clone();
+            std::thread::spawn(move || proxy_one(client, &target, &creates, fault, tx, &release));
         }
     });
-    (format!("http://{addr}"), creates, rx)
+    (format!("http://{addr}"), creates, rx, release_tx)
 }
 
 fn proxy_one(
@@ -416,6 +437,7 @@ fn proxy_one(
     creates: &AtomicUsize,
     fault: Fault,
     handled: std::sync::mpsc::Sender<()>,
+    release: &std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
 ) {
     client.set_read_timeout(Some(Duration::from_secs(30))).ok();
     let mut r = BufReader::new(client.try_clone().unwrap());
@@ -458,6 +480,13 @@ fn proxy_one(
                 return;
             }
             Fault::Hold { forward: false } => return hold(),
+            Fault::Late => {
+                let _ = handled.send(());
+                let _ = release
+                    .lock()
+                    .unwrap()
+                    .recv_timeout(Duration::from_secs(120));
+            }
             _ => {}
         }
     }
@@ -468,7 +497,7 @@ fn proxy_one(
     let mut resp = Vec::new();
     up.read_to_end(&mut resp).unwrap();
     if first_create {
-        // The PDS applied it; the answer is lost or withheld.
+        // The PDS applied it (or, late, refused it); the answer is lost or withheld.
         return match fault {
             Fault::Hold { .. } => hold(),
             _ => drop(handled.send(())),

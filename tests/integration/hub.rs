@@ -60,7 +60,7 @@ fn respond(mut s: TcpStream, status: &str, headers: &[(String, String)], body: &
     let _ = s.write_all(body);
 }
 
-fn handle(s: TcpStream, repos: &Repos, downloads: &AtomicUsize) {
+fn handle(s: TcpStream, repos: &Repos, downloads: &AtomicUsize, etag_override: Option<&str>) {
     let mut r = BufReader::new(s.try_clone().unwrap());
     let mut line = String::new();
     r.read_line(&mut line).unwrap();
@@ -109,7 +109,11 @@ fn handle(s: TcpStream, repos: &Repos, downloads: &AtomicUsize) {
             ),
         };
     }
-    let Some((repo, file)) = path.trim_start_matches('/').split_once("/resolve/main/") else {
+    // `/{repo}/resolve/{revision}/{file}`, the revision a branch or the commit
+    let Some((repo, rest)) = path.trim_start_matches('/').split_once("/resolve/") else {
+        return respond(s, "404 Not Found", &[], b"");
+    };
+    let Some((_, file)) = rest.split_once('/') else {
         return respond(s, "404 Not Found", &[], b"");
     };
     let Some(data) = repos.get(repo).and_then(|f| f.get(file)) else {
@@ -129,7 +133,15 @@ fn handle(s: TcpStream, repos: &Repos, downloads: &AtomicUsize) {
         downloads.fetch_add(1, Ordering::SeqCst);
     }
     let headers = vec![
-        ("ETag".to_string(), format!("\"{}\"", etag(file, data))),
+        (
+            "ETag".to_string(),
+            format!(
+                "\"{}\"",
+                etag_override
+                    .map(str::to_string)
+                    .unwrap_or_else(|| etag(file, data))
+            ),
+        ),
         ("X-Repo-Commit".to_string(), COMMIT.to_string()),
         (
             "Content-Range".to_string(),
@@ -141,6 +153,11 @@ fn handle(s: TcpStream, repos: &Repos, downloads: &AtomicUsize) {
 
 impl FakeHub {
     fn start(repos: Repos) -> FakeHub {
+        Self::start_with(repos, None)
+    }
+
+    /// A mirror that names every blob `etag` (a hostile one: a path).
+    fn start_with(repos: Repos, etag: Option<String>) -> FakeHub {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let downloads = Arc::new(AtomicUsize::new(0));
@@ -150,8 +167,8 @@ impl FakeHub {
         std::thread::spawn(move || {
             for s in listener.incoming().flatten() {
                 q.fetch_add(1, Ordering::SeqCst);
-                let (repos, d) = (repos.clone(), d.clone());
-                std::thread::spawn(move || handle(s, &repos, &d));
+                let (repos, d, e) = (repos.clone(), d.clone(), etag.clone());
+                std::thread::spawn(move || handle(s, &repos, &d, e.as_deref()));
             }
         });
         FakeHub {
@@ -316,4 +333,36 @@ fn unknown_and_private_repos_say_what_to_do() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("HF_TOKEN") && err.contains("401"), "{err}");
+}
+
+/// A mirror (HF_ENDPOINT) that answers with ETags that are paths cannot make bot write
+/// outside the cache: the download is refused, naming the ETag, and nothing lands there.
+#[test]
+fn hostile_mirror_etags_cannot_write_outside_the_cache() {
+    let outside = tempfile::tempdir().unwrap();
+    let target = outside.path().join("pwned");
+    for etag in [
+        target.display().to_string(),
+        "../../../../../../../../../../tmp/bot-pwned".to_string(),
+    ] {
+        let mut repos = Repos::new();
+        repos.insert(
+            "test-org/tiny-q4".into(),
+            repo_files(&fixtures().join("q4g64")),
+        );
+        let hub = FakeHub::start_with(repos, Some(etag.clone()));
+        let home = tempfile::tempdir().unwrap();
+        let out = bot(home.path(), &hub.endpoint(), false)
+            .args(["generate", "--model", "test-org/tiny-q4", "--no-adapter"])
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("refusing") && err.contains("ETag"), "{err}");
+        assert!(
+            !target.exists(),
+            "{etag}: a file appeared outside the cache"
+        );
+        assert!(!Path::new("/tmp/bot-pwned").exists());
+    }
 }

@@ -7,5 +7,6 @@ mod cli;
 mod common;
 mod engine_vs_mlx;
 mod generate;
+mod hardening;
 mod hub;
 mod workflow;

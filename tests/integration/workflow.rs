@@ -160,10 +160,15 @@ fn schedule_print_install_show_remove() {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&stub, std::fs::Permissions::from_mode(0o755)).unwrap();
     }
+    // what a scheduled run needs: a handle and a password it can read (a file)
+    let pw = home.path().join("app-password");
+    std::fs::write(&pw, "xxxx-xxxx-xxxx-xxxx\n").unwrap();
     let sched = |args: &[&str]| {
         let mut c = local(home.path());
         c.env("BOT_CRONTAB", &stub)
             .env("BOT_BSKY_APP_PASSWORD", "s3cret-app-pass")
+            .env("BOT_BSKY_HANDLE", "me.test")
+            .env("BOT_BSKY_PASSWORD_FILE", &pw)
             .arg("schedule")
             .args(args);
         c.output().unwrap()
@@ -208,7 +213,9 @@ fn schedule_print_install_show_remove() {
         env["BOT_HOME"].as_string(),
         Some(home.path().to_str().unwrap())
     );
-    assert!(env.keys().all(|k| !k.contains("PASSWORD")), "{env:?}");
+    // the password file's path travels, the password never does
+    assert!(env.keys().all(|k| k != "BOT_BSKY_APP_PASSWORD"), "{env:?}");
+    assert_eq!(env["BOT_BSKY_PASSWORD_FILE"].as_string(), pw.to_str());
     for k in ["StandardOutPath", "StandardErrorPath"] {
         assert!(d[k]
             .as_string()
