@@ -16,7 +16,7 @@ use crate::cli::{AccountArgs, DeleteArgs, GuardArgs, PostArgs};
 use crate::commands::{self, load_settings, process_env};
 use crate::dedup::{self, TrainingIndex};
 use crate::settings::{Overrides, Settings};
-use crate::store::{NewPost, Store};
+use crate::store::{NewPost, Store, StoreError};
 
 /// A post refused before anything was sent.
 #[derive(Debug, thiserror::Error)]
@@ -336,6 +336,16 @@ pub fn publish_next(
                 guard,
             ) {
                 Ok((_, p)) => return Ok(Some((d.id, p))),
+                // A concurrent run claimed it between our pick and our claim: theirs to send.
+                Err(e)
+                    if e.chain()
+                        .any(|c| matches!(c.downcast_ref(), Some(StoreError::DraftTaken(_)))) =>
+                {
+                    eprintln!(
+                        "draft {} is being sent by another run; taking the next",
+                        d.id
+                    );
+                }
                 Err(e) if is_refusal(&e) => {
                     let why = format!("{e:#}");
                     eprintln!("draft {} refused: {why}", d.id);

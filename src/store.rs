@@ -20,6 +20,9 @@ pub enum StoreError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// Another run is sending (or has sent) this draft, or it is no longer approved.
+    #[error("draft {0} is no longer approved or another run is sending it")]
+    DraftTaken(i64),
 }
 
 pub struct Store {
@@ -147,7 +150,10 @@ impl Store {
         &self.path
     }
 
-    /// Records a post about to be sent.
+    /// Records a post about to be sent. A post of a draft claims it in the same statement:
+    /// the row is written only while the draft is approved and no other send of it is pending
+    /// or done, so two runs that picked the same draft cannot both send it. Err(DraftTaken)
+    /// when the claim lost.
     pub fn add_pending(&self, p: &NewPost) -> Result<i64, StoreError> {
         let NewPost {
             account,
@@ -158,14 +164,22 @@ impl Store {
             created_at,
             draft_id,
         } = p;
-        self.exec(|c| {
-            c.execute(
+        let (rows, id) = self.exec(|c| {
+            let rows = c.execute(
                 "INSERT INTO posts (account, service, rkey, text, record, status, created_at, draft_id)
-                 VALUES (?1, ?2, ?3, ?4, ?5, 'pending', ?6, ?7)",
+                 SELECT ?1, ?2, ?3, ?4, ?5, 'pending', ?6, ?7
+                 WHERE ?7 IS NULL OR (
+                   EXISTS (SELECT 1 FROM drafts WHERE id = ?7 AND status = 'approved')
+                   AND NOT EXISTS (SELECT 1 FROM posts WHERE draft_id = ?7
+                                   AND status IN ('pending', 'posted')))",
                 params![account, service, rkey, text, record, created_at, draft_id],
             )?;
-            Ok(c.last_insert_rowid())
-        })
+            Ok((rows, c.last_insert_rowid()))
+        })?;
+        match (rows, draft_id) {
+            (0, Some(d)) => Err(StoreError::DraftTaken(*d)),
+            _ => Ok(id),
+        }
     }
 
     /// Marks a post as published (and its draft, if any), in one transaction.
@@ -612,5 +626,50 @@ mod tests {
             Err(DraftError::NotFound(999))
         ));
         assert!(s.edit_draft(id, "changed").is_err());
+    }
+
+    #[test]
+    fn two_runs_cannot_both_claim_a_draft() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (
+            Store::open(dir.path()).unwrap(),
+            Store::open(dir.path()).unwrap(),
+        );
+        let id = a
+            .add_draft("hello world", None, None, None, None, None, "t")
+            .unwrap();
+        a.set_draft_status(id, DraftStatus::Approved).unwrap();
+        // both runs picked the draft before either claimed it
+        assert_eq!(a.next_approved().unwrap().unwrap().id, id);
+        assert_eq!(b.next_approved().unwrap().unwrap().id, id);
+        let post = |rkey: &'static str| NewPost {
+            account: "did:x",
+            service: "s",
+            rkey,
+            text: "hello world",
+            record: "{}",
+            created_at: "t",
+            draft_id: Some(id),
+        };
+        a.add_pending(&post("3kaaaaaaaaaaa")).unwrap();
+        assert!(matches!(
+            b.add_pending(&post("3kbbbbbbbbbbb")),
+            Err(StoreError::DraftTaken(d)) if d == id
+        ));
+        assert_eq!(a.count_posts("pending").unwrap(), 1);
+        // a send that failed frees the draft for the next run
+        a.set_status("3kaaaaaaaaaaa", "failed").unwrap();
+        b.add_pending(&post("3kbbbbbbbbbbb")).unwrap();
+        // a draft no longer approved cannot be claimed
+        let other = a
+            .add_draft("another one", None, None, None, None, None, "t")
+            .unwrap();
+        assert!(matches!(
+            a.add_pending(&NewPost {
+                draft_id: Some(other),
+                ..post("3kccccccccccc")
+            }),
+            Err(StoreError::DraftTaken(_))
+        ));
     }
 }
