@@ -11,6 +11,7 @@ pub mod dedup;
 pub mod doctor;
 pub mod engine;
 pub mod exit;
+pub mod fuzz;
 pub mod generate;
 pub mod hub;
 pub mod posting;

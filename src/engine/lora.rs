@@ -47,11 +47,24 @@ impl Adapter {
     /// `check_module`, when each projection is built.
     pub fn load(dir: &Path, device: &Device) -> Result<Self> {
         let cfg_path = dir.join("adapter_config.json");
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| EngineError::io(&cfg_path, e))?;
+        let file = SafetensorsFile::open(&dir.join("adapters.safetensors"))?;
+        Self::from_parts(dir, &text, &file, device)
+    }
+
+    /// The adapter of `adapter_config.json`'s text and the parsed `adapters.safetensors`
+    /// (pure: `dir` only names the files in messages).
+    pub fn from_parts(
+        dir: &Path,
+        text: &str,
+        file: &SafetensorsFile,
+        device: &Device,
+    ) -> Result<Self> {
+        let cfg_path = dir.join("adapter_config.json");
         let err = |why: String| EngineError::Adapter {
             path: cfg_path.clone(),
             why,
         };
-        let text = std::fs::read_to_string(&cfg_path).map_err(|e| EngineError::io(&cfg_path, e))?;
         let cfg: Value =
             serde_json::from_str(&text).map_err(|e| err(format!("not valid JSON: {e}")))?;
         let ft = cfg
@@ -78,7 +91,6 @@ impl Adapter {
         let rank_cfg = lp.get("rank").and_then(Value::as_u64).map(|r| r as usize);
 
         let st_path = dir.join("adapters.safetensors");
-        let file = SafetensorsFile::open(&st_path)?;
         let mut pairs: BTreeMap<String, (Option<Tensor>, Option<Tensor>)> = BTreeMap::new();
         let mut rank = None;
         for name in file.tensors.keys() {
