@@ -52,7 +52,7 @@ pub fn run(config: Option<&Path>, profile: Option<&str>) -> anyhow::Result<()> {
             Ok(_d) => {
                 #[cfg(bot_metal)]
                 if let candle_core::Device::Metal(m) = &_d {
-                    match crate::engine::quant_metal::native_kernels_available(m) {
+                    match crate::engine::metal::quant::native_kernels_available(m) {
                         Ok(()) => line("metal kernels", "compiled (native route)"),
                         Err(e) => line("metal kernels", format!("FAILED, repack route used: {e}")),
                     }

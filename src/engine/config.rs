@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use super::error::{EngineError, Result};
-use super::weights::WeightStore;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::weights::WeightStore;
 
 /// Bits and group size of one MLX affine-quantized matrix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -3,7 +3,7 @@
 
 use candle_core::Device;
 
-use super::error::{EngineError, Result};
+use crate::engine::error::{EngineError, Result};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum DeviceKind {

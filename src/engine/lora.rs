@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use candle_core::{Device, Tensor};
 use serde_json::Value;
 
-use super::error::{EngineError, Result};
-use super::weights::SafetensorsFile;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::weights::SafetensorsFile;
 
 /// One adapted projection.
 #[derive(Debug, Clone)]

@@ -1,33 +1,17 @@
 //! Everything that turns token ids into logits: an mlx_lm model directory (config, MLX 4-bit
 //! safetensors) plus an optional mlx_lm LoRA adapter, run as Qwen3 on candle.
 
-pub mod attention_cpu;
 pub mod config;
-#[cfg(feature = "cuda")]
-pub mod cuda_fused;
+pub mod cpu;
+pub mod cuda;
 pub mod device;
 pub mod error;
-pub mod gemm_cpu;
 pub mod lora;
-pub mod metal_plan;
-#[cfg(test)]
-mod metal_shim;
+pub mod metal;
 pub mod profile;
 pub mod quant;
-pub mod quant_cpu;
-#[cfg(feature = "cuda")]
-pub mod quant_cuda;
-#[cfg(bot_metal)]
-pub mod quant_metal;
 pub mod qwen3;
-pub mod repack;
 pub mod sample;
-pub mod sample_cpu;
-#[cfg(feature = "cuda")]
-pub mod sample_cuda;
-#[cfg(bot_metal)]
-pub mod sample_metal;
-pub mod sample_op;
 pub mod synthetic;
 pub mod weights;
 

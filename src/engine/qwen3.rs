@@ -10,17 +10,17 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::kv_cache::KvCache;
 
-use super::attention_cpu::{self, Dims, HostKv};
-use super::config::Qwen3Config;
-use super::error::{EngineError, Result};
-use super::lora::{Adapter, LoraBranch};
-use super::profile::{self, Part};
-use super::quant::{qmatmul, CpuKernel, QGather, QMatrix};
-use super::repack;
-use super::sample::{decode_kernel_output, SampleState, SampleStep, Sampled};
-use super::sample_cpu::CpuSampler;
-use super::sample_op::{split_output, SampleOp};
-use super::weights::WeightStore;
+use crate::engine::config::Qwen3Config;
+use crate::engine::cpu::attention::{self, Dims, HostKv};
+use crate::engine::cpu::sample::CpuSampler;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::lora::{Adapter, LoraBranch};
+use crate::engine::profile::{self, Part};
+use crate::engine::quant::repack;
+use crate::engine::quant::{qmatmul, CpuKernel, QGather, QMatrix};
+use crate::engine::sample::op::{split_output, SampleOp};
+use crate::engine::sample::{decode_kernel_output, SampleState, SampleStep, Sampled};
+use crate::engine::weights::WeightStore;
 
 /// Prompts longer than this run in chunks of this many tokens (bounded memory for any length).
 const PREFILL_CHUNK: usize = 512;
@@ -48,7 +48,7 @@ impl Default for ModelOptions {
 /// How a forward runs on CUDA (other devices always run candle ops).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum CudaStep {
-    /// Our fused step (`cuda_fused.rs`), decode steps replayed from a captured CUDA graph
+    /// Our fused step (`cuda/fused.rs`), decode steps replayed from a captured CUDA graph
     #[default]
     Graph,
     /// Our fused step, every kernel launched from the host
@@ -73,7 +73,7 @@ pub enum QMatmulRoute {
 fn effective_options(opts: &ModelOptions) -> ModelOptions {
     #[cfg(bot_metal)]
     if let (Device::Metal(dev), QMatmulRoute::Native) = (&opts.device, opts.route) {
-        if let Err(e) = super::quant_metal::native_kernels_available(dev) {
+        if let Err(e) = crate::engine::metal::quant::native_kernels_available(dev) {
             eprintln!("Metal: our kernels did not compile ({e}); using --qmatmul repack");
             return ModelOptions {
                 route: QMatmulRoute::Repack,
@@ -117,7 +117,7 @@ impl Weight {
             )?))),
             None => {
                 let w = store.require(&format!("{name}.weight"))?;
-                if w.dtype == super::weights::Dtype::U32 {
+                if w.dtype == crate::engine::weights::Dtype::U32 {
                     return Err(EngineError::MissingTensor {
                         dir: store.dir.clone(),
                         name: format!("{name}.scales"),
@@ -284,7 +284,7 @@ fn check_layer_count(cfg: &Qwen3Config, store: &WeightStore) -> Result<()> {
 }
 
 /// cos/sin of the half-split RoPE for the positions of one forward pass, (L, head_dim/2), as
-/// tensors for the candle-op attention and as host slices for `attention_cpu`.
+/// tensors for the candle-op attention and as host slices for `cpu::attention`.
 struct Rope {
     cos: Tensor,
     sin: Tensor,
@@ -381,7 +381,7 @@ impl Attention {
                 eps: self.eps,
             };
             let flat = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
-            let out = attention_cpu::attend(
+            let out = attention::attend(
                 &dims,
                 flat(&q)?,
                 flat(&k)?,
@@ -520,7 +520,7 @@ pub struct Qwen3 {
     sampler: CpuSampler,
     device: Device,
     #[cfg(feature = "cuda")]
-    fused: Option<Box<super::cuda_fused::FusedQwen3>>,
+    fused: Option<Box<crate::engine::cuda::fused::FusedQwen3>>,
 }
 
 impl Qwen3 {
@@ -576,7 +576,7 @@ impl Qwen3 {
         };
         #[cfg(feature = "cuda")]
         if let (Device::Cuda(dev), true) = (&opts.device, opts.cuda_step != CudaStep::Ops) {
-            use super::cuda_fused::{unsupported, FusedQwen3};
+            use crate::engine::cuda::fused::{unsupported, FusedQwen3};
             match unsupported(&model) {
                 None => {
                     let f = FusedQwen3::new(&model, dev, opts.kernel, opts.cuda_step)?;
@@ -664,7 +664,7 @@ impl Qwen3 {
         &self.norm
     }
 
-    /// Runs attention through candle ops on the CPU too, instead of `attention_cpu` (the
+    /// Runs attention through candle ops on the CPU too, instead of `cpu::attention` (the
     /// two are compared in tests; GPUs always use candle ops). Resets the cache.
     pub fn use_reference_attention(&mut self, on: bool) {
         self.reset();

@@ -11,10 +11,10 @@ use candle_core::{Device, Tensor};
 use half::bf16;
 use rayon::prelude::*;
 
-use super::config::Qwen3Config;
-use super::error::{EngineError, Result};
-use super::lora::{Adapter, LoraBranch};
-use super::weights::{plan_safetensors, Dtype, SafetensorsFile, WeightStore};
+use crate::engine::config::Qwen3Config;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::lora::{Adapter, LoraBranch};
+use crate::engine::weights::{plan_safetensors, Dtype, SafetensorsFile, WeightStore};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Shape {

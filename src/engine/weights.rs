@@ -12,7 +12,7 @@ use std::sync::Arc;
 use half::{bf16, f16};
 use serde_json::Value;
 
-use super::error::{EngineError, Result};
+use crate::engine::error::{EngineError, Result};
 
 /// A cheaply clonable, immutable byte range of a memory map or of an owned buffer.
 #[derive(Clone)]

@@ -1,6 +1,6 @@
 // CUDA entry of the on-device sampler (kernels/sample.h): one block of up to 1024 threads reads
 // the logits the head just wrote (L2-resident) and leaves only the token, its log-probability
-// and a flag for the host (src/engine/cuda_fused.rs in the step's graph; src/engine/sample_cuda.rs
+// and a flag for the host (src/engine/cuda/fused.rs in the step's graph; src/engine/cuda/sample.rs
 // for the candle-op path and the tests).
 
 #include <stdint.h>

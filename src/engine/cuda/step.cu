@@ -1,4 +1,4 @@
-// The non-matmul kernels of a Qwen3 forward on CUDA (src/engine/cuda_fused.rs drives them), each
+// The non-matmul kernels of a Qwen3 forward on CUDA (src/engine/cuda/fused.rs drives them), each
 // replacing a run of candle ops, with mlx_lm's numerics (mlx_lm/models/qwen3.py) in fp32:
 // RMSNorm with a plain weight; per-head q/k RMSNorm, then half-split RoPE, then the KV cache
 // write, in one kernel; single-pass attention with an online softmax over the cache; SwiGLU; the

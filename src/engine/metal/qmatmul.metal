@@ -1,12 +1,12 @@
 // Metal kernels for MLX affine quantization (see src/engine/quant.rs): y = x @ dequant(W)^T,
 // W as mlx_lm stores it (little-endian `bits`-wide codes, low bits first; one scale and bias per
 // `group_size` codes; w = scale * q + bias). Compiled from source at run time through candle's
-// Metal device (src/engine/quant_metal.rs).
+// Metal device (src/engine/metal/quant.rs).
 //
 // This file is also compiled as C++ on Linux under tests/metal_shim/shim.h, which runs every
 // lane of a threadgroup as a thread and implements simd_sum and threadgroup_barrier with
 // barriers, so the arithmetic and indexing below are tested against the slow reference without
-// a Mac (tests/integration/metal_shim.rs). Keep to the subset the shim provides: scalar types,
+// a Mac (src/engine/metal/shim.rs). Keep to the subset the shim provides: scalar types,
 // `as_type`, `simd_sum`, `threadgroup_barrier`, the attributes used here.
 //
 // qmv_fast_4 / qmv_fast_8 (decode) follow MLX's qmv_fast: a threadgroup of 2 simdgroups, each

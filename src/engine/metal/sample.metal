@@ -41,7 +41,7 @@ inline k_u64 hist_get(KSHM KHIST* h, uint b) {
            k_u64(atomic_load_explicit(&h[b].lo, memory_order_relaxed));
 }
 
-// The library is compiled with fast math off (quant_metal::pipeline), so these are not
+// The library is compiled with fast math off (metal::quant::pipeline), so these are not
 // contracted or reordered.
 typedef atomic_uint KCOUNT;
 inline void count_clear(KSHM KCOUNT* c) { atomic_store_explicit(c, 0u, memory_order_relaxed); }

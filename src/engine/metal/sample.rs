@@ -6,8 +6,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{DType, MetalStorage, Shape};
 use objc2_metal::MTLSize;
 
-use super::quant_metal::{pipeline, Lib};
-use super::sample_op::SampleOp;
+use crate::engine::metal::quant::{pipeline, Lib};
+use crate::engine::sample::op::SampleOp;
 
 /// Mirrors `struct SampleShape` in `metal/sample.metal`.
 #[repr(C)]

@@ -1,6 +1,6 @@
 //! Metal forward of the fused quantized matmul and the quantized gather: the MSL of
 //! `metal/qmatmul.metal` is compiled once per device at run time; each `QMatrix` is copied to
-//! the GPU once, as stored; dispatches follow `metal_plan` (the plans the shim tests run).
+//! the GPU once, as stored; dispatches follow `metal::plan` (the plans the shim tests run).
 //! Never run on a Mac by this project's CI: see docs/macos.md for what is proven and what not.
 
 use std::sync::{Arc, Mutex, OnceLock};
@@ -10,8 +10,8 @@ use candle_core::{DType, Layout, MetalDevice, MetalStorage, Shape};
 use candle_metal_kernels::metal::{Buffer, ComputePipeline, Library};
 use objc2_metal::MTLSize;
 
-use super::metal_plan::{self, Plan, QParams};
-use super::quant::QMatrix;
+use crate::engine::metal::plan::{self, Plan, QParams};
+use crate::engine::quant::QMatrix;
 
 /// A `QMatrix` resident on the GPU.
 pub struct MetalQMatrix {
@@ -48,8 +48,8 @@ pub(crate) fn pipeline(
     let library = LIBS[lib as usize]
         .get_or_init(|| {
             let source = match lib {
-                Lib::QMatmul => metal_plan::SOURCE.to_string(),
-                Lib::Sample => super::sample::metal_source(),
+                Lib::QMatmul => plan::SOURCE.to_string(),
+                Lib::Sample => crate::engine::sample::metal_source(),
             };
             // the sampler's exp must not be contracted or reordered: fast math off
             let opts = objc2_metal::MTLCompileOptions::new();
@@ -145,7 +145,7 @@ pub fn qmatmul_fwd(
     let out = dev.new_buffer(m * w.rows, DType::F32, "bot-qmatmul")?;
     launch(
         dev,
-        &metal_plan::matmul_plan(&p),
+        &plan::matmul_plan(&p),
         &p,
         (s.buffer(), o0 * 4),
         &g,
@@ -180,7 +180,7 @@ pub fn gather_fwd(
     let out = dev.new_buffer(len * w.cols, DType::F32, "bot-gather")?;
     launch(
         dev,
-        &metal_plan::gather_plan(&p),
+        &plan::gather_plan(&p),
         &p,
         (s.buffer(), o0 * 4),
         &g,

@@ -4,7 +4,7 @@
 //! The exponential pass is AVX2+FMA where the CPU has it (`exp_neg` computed 8 lanes at a time,
 //! the same bits as the scalar form). Buffers are kept between tokens.
 
-use super::sample::{
+use crate::engine::sample::{
     apply_penalty, best_draw, exp_neg, mass, max_argmax, rank, top_p_limit, Draw, KernelParams,
     NonFinite, Sampled,
 };

@@ -13,8 +13,8 @@ use candle_core::quantized::{GgmlDType, QMatMul as CandleQMatMul, QStorage, QTen
 use candle_core::Device;
 use half::f16;
 
-use super::error::{EngineError, Result};
-use super::quant::QMatrix;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::quant::QMatrix;
 
 /// Bytes of one `Q4_1` block: f16 d, f16 m, 16 bytes of nibbles.
 pub const Q4_1_BLOCK_BYTES: usize = 20;

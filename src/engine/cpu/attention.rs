@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::quant_cpu::dot;
+use crate::engine::cpu::quant::dot;
 
 /// Keys and values of the tokens seen so far: row t holds `n_kv * head_dim` values.
 #[derive(Debug, Default, Clone)]

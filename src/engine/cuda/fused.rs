@@ -24,20 +24,20 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::WrapErr;
 use candle_core::CudaDevice;
 
-use super::error::{EngineError, Result};
-use super::lora::LoraBranch;
-use super::metal_plan::QParams;
-use super::profile::KernelTime;
-use super::quant::{CpuKernel, QMatrix};
-use super::quant_cuda::{
+use crate::engine::cuda::quant::{
     f16_prompt_kernel, qmm4_splits, qmm_splits, qmv4_block, qmv4_grid, qmv4_kernel, qmv4_smem,
     qmv4q_smem, resident, Epi, GpuQMatrix, MODULE as QMODULE, PTX as QPTX,
 };
-use super::qwen3::{CudaStep, Linear, Qwen3, Weight};
-use super::sample::{
+use crate::engine::cuda::sample;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::lora::LoraBranch;
+use crate::engine::metal::plan::QParams;
+use crate::engine::profile::KernelTime;
+use crate::engine::quant::{CpuKernel, QMatrix};
+use crate::engine::qwen3::{CudaStep, Linear, Qwen3, Weight};
+use crate::engine::sample::{
     decode_kernel_output, KernelParams, NonFinite, SampleState, SampleStep, Sampled,
 };
-use super::sample_cuda;
 
 const STEP_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/step.ptx"));
 const STEP_MODULE: &str = "bot_step";
@@ -332,13 +332,9 @@ impl FusedQwen3 {
             );
         }
         funcs.insert(
-            sample_cuda::KERNEL,
-            dev.get_or_load_custom_func(
-                sample_cuda::KERNEL,
-                sample_cuda::MODULE,
-                sample_cuda::PTX,
-            )?
-            .into_cuda_function(),
+            sample::KERNEL,
+            dev.get_or_load_custom_func(sample::KERNEL, sample::MODULE, sample::PTX)?
+                .into_cuda_function(),
         );
         let vec = |t: &candle_core::Tensor| -> Result<CudaSlice<f32>> {
             let v = t
@@ -1186,9 +1182,9 @@ impl FusedQwen3 {
         let out = ptr(&self.sample_out, st);
         self.launch_as(
             "sample",
-            sample_cuda::KERNEL,
+            sample::KERNEL,
             (1, 1),
-            sample_cuda::THREADS,
+            sample::THREADS,
             0,
             &[
                 Arg::P(logits),

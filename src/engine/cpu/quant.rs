@@ -18,8 +18,8 @@
 
 use rayon::prelude::*;
 
-use super::quant::{CpuKernel, ParamView, QMatrix};
-use super::weights::Dtype;
+use crate::engine::quant::{CpuKernel, ParamView, QMatrix};
+use crate::engine::weights::Dtype;
 
 /// `y (m x rows) = x (m x cols) @ dequant(w)^T`.
 pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], kernel: CpuKernel) {
@@ -34,8 +34,8 @@ pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], kernel: CpuKerne
         && w.biases.dtype == Dtype::BF16
         && avx2::available();
     match kernel {
-        _ if m >= GEMM_MIN_ROWS && super::gemm_cpu::available() => {
-            super::gemm_cpu::qgemm(w, x, m, y)
+        _ if m >= GEMM_MIN_ROWS && crate::engine::cpu::gemm::available() => {
+            crate::engine::cpu::gemm::qgemm(w, x, m, y)
         }
         _ if m >= GEMM_MIN_ROWS => tiled_gemm(w, x, m, y),
         CpuKernel::Fast if int => int_q4(w, x, m, y, true),
@@ -533,8 +533,8 @@ mod avx2 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::quant::testutil::random_qmatrix;
     use super::*;
+    use crate::engine::quant::testutil::random_qmatrix;
     use crate::engine::weights::Dtype;
     use rand::{Rng, SeedableRng};
 

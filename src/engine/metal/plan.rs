@@ -1,10 +1,10 @@
 //! Which Metal kernel of `metal/qmatmul.metal` runs a quantized product or gather, and on what
-//! grid. Plain Rust, compiled on every platform: the Metal forward (`quant_metal`) dispatches
+//! grid. Plain Rust, compiled on every platform: the Metal forward (`metal::quant`) dispatches
 //! exactly these plans, and the tests run the same plans through the C++ shim
 //! (`tests/metal_shim/`) against the slow reference, so the kernels' logic is proven without a Mac.
 
 /// The MSL source, compiled at run time by the Metal device.
-pub const SOURCE: &str = include_str!("metal/qmatmul.metal");
+pub const SOURCE: &str = include_str!("qmatmul.metal");
 
 /// Mirrors `struct QParams` in the MSL source.
 #[repr(C)]
@@ -21,7 +21,7 @@ pub struct QParams {
 
 impl QParams {
     /// `m` rows of x (or ids) against `w`.
-    pub fn new(w: &super::quant::QMatrix, m: usize) -> Self {
+    pub fn new(w: &crate::engine::quant::QMatrix, m: usize) -> Self {
         QParams {
             m: m as i32,
             n: w.rows as i32,
@@ -110,7 +110,7 @@ mod tests {
         std::fs::write(d.join("w.bin"), &w.packed[..]).unwrap();
         std::fs::write(d.join("s.bin"), &w.scales.bytes[..]).unwrap();
         std::fs::write(d.join("b.bin"), &w.biases.bytes[..]).unwrap();
-        let st = std::process::Command::new(crate::engine::metal_shim::runner("runner"))
+        let st = std::process::Command::new(crate::engine::metal::shim::runner("runner"))
             .arg(plan.kernel)
             .arg(d)
             .args(

@@ -2,14 +2,14 @@
 //! op returns 12 bytes, three little-endian u32s (token, log-probability bits, non-finite flag:
 //! `sample::decode_kernel_output`), then with `want_keep` one byte per token (kept or not).
 //! Used where candle computed the logits (the Metal forward, `--cuda-step ops`); the fused CUDA
-//! step launches the same kernel inside its graph (`cuda_fused.rs`).
+//! step launches the same kernel inside its graph (`cuda/fused.rs`).
 
 use std::sync::Mutex;
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape};
 
-use super::sample::{KernelParams, SampleState, MAX_KERNEL_VOCAB};
-use super::sample_cpu::CpuSampler;
+use crate::engine::cpu::sample::CpuSampler;
+use crate::engine::sample::{KernelParams, SampleState, MAX_KERNEL_VOCAB};
 
 pub struct SampleOp {
     pub params: KernelParams,
@@ -71,7 +71,7 @@ impl CustomOp1 for SampleOp {
         };
         let mut row = x[o0..o0 + vocab].to_vec();
         let recent = &self.state.recent[..self.state.n_recent as usize];
-        let draw = super::sample::Draw {
+        let draw = crate::engine::sample::Draw {
             seed: self.state.seed,
             counter: self.state.counter,
         };
@@ -88,8 +88,9 @@ impl CustomOp1 for SampleOp {
             // the CPU sampler does not expose its kept set: the reference's
             let x = &x[o0..o0 + vocab];
             let mut pen = x.to_vec();
-            super::sample::apply_penalty(&mut pen, recent, self.params.penalty);
-            let kept = super::sample::reference_kept(&pen, &self.params).unwrap_or_default();
+            crate::engine::sample::apply_penalty(&mut pen, recent, self.params.penalty);
+            let kept =
+                crate::engine::sample::reference_kept(&pen, &self.params).unwrap_or_default();
             let mut mask = vec![0u8; vocab];
             for i in kept {
                 mask[i as usize] = 1;
@@ -107,7 +108,7 @@ impl CustomOp1 for SampleOp {
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let (o0, vocab) = self.check(l)?;
-        super::sample_cuda::sample_fwd(self, s, o0, vocab)
+        crate::engine::cuda::sample::sample_fwd(self, s, o0, vocab)
     }
 
     #[cfg(bot_metal)]
@@ -117,6 +118,6 @@ impl CustomOp1 for SampleOp {
         l: &Layout,
     ) -> candle_core::Result<(candle_core::MetalStorage, Shape)> {
         let (o0, vocab) = self.check(l)?;
-        super::sample_metal::sample_fwd(self, s, o0, vocab)
+        crate::engine::metal::sample::sample_fwd(self, s, o0, vocab)
     }
 }

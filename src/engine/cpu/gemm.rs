@@ -11,7 +11,7 @@
 
 use rayon::prelude::*;
 
-use super::quant::QMatrix;
+use crate::engine::quant::QMatrix;
 
 /// Weight rows per register tile (broadcast operand).
 const MR: usize = 6;
@@ -240,8 +240,8 @@ mod avx2 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::quant::testutil::random_qmatrix;
     use super::*;
+    use crate::engine::quant::testutil::random_qmatrix;
     use crate::engine::weights::Dtype;
     use rand::{Rng, SeedableRng};
 

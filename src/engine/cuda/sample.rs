@@ -7,8 +7,8 @@ use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKe
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, Shape};
 
-use super::sample::KernelParams;
-use super::sample_op::SampleOp;
+use crate::engine::sample::op::SampleOp;
+use crate::engine::sample::KernelParams;
 
 pub(crate) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/sample.ptx"));
 pub(crate) const MODULE: &str = "bot_sample";

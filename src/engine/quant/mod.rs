@@ -5,16 +5,18 @@
 //! `y = x @ dequant(W)^T`, and `dequantize` / `matmul_reference` are the slow references that
 //! the fused kernels are tested against.
 
+pub mod repack;
+
 use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 use half::f16;
 
-use super::config::QuantParams;
-use super::error::{EngineError, Result};
-use super::quant_cpu;
-use super::weights::{Bytes, Dtype, HostTensor};
+use crate::engine::config::QuantParams;
+use crate::engine::cpu;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::weights::{Bytes, Dtype, HostTensor};
 
 /// Scales or biases: one value per (row, group), kept in the file's dtype (bf16 usually) so the
 /// weights stay memory-mapped; widening bf16 to f32 is exact and costs a shift in the kernel.
@@ -100,9 +102,9 @@ pub struct QMatrix {
 #[derive(Default, Clone)]
 pub struct DeviceCopy {
     #[cfg(feature = "cuda")]
-    pub(crate) cuda: super::quant_cuda::CudaCopy,
+    pub(crate) cuda: crate::engine::cuda::quant::CudaCopy,
     #[cfg(bot_metal)]
-    pub(crate) metal: super::quant_metal::MetalCopy,
+    pub(crate) metal: crate::engine::metal::quant::MetalCopy,
 }
 
 impl std::fmt::Debug for DeviceCopy {
@@ -290,7 +292,7 @@ pub enum CpuKernel {
     #[default]
     Exact,
     /// Activations rounded to 15-bit integers per 32 values and integer dot products (AVX2,
-    /// 4-bit weights; other cases use `Exact`); see `quant_cpu` for the error bound.
+    /// 4-bit weights; other cases use `Exact`); see `cpu::quant` for the error bound.
     Fast,
     /// Like `Fast` with 8-bit activations: less work, larger error.
     Int8,
@@ -333,7 +335,7 @@ impl CustomOp1 for QMatMul {
         let x = &data[o0..o1];
         let m = x.len() / k;
         let mut y = vec![0f32; m * self.w.rows];
-        quant_cpu::qmatmul(&self.w, x, m, &mut y, self.kernel);
+        cpu::quant::qmatmul(&self.w, x, m, &mut y, self.kernel);
         let mut out = dims.to_vec();
         *out.last_mut().unwrap_or(&mut 0) = self.w.rows;
         Ok((CpuStorage::F32(y), Shape::from(out)))
@@ -345,7 +347,7 @@ impl CustomOp1 for QMatMul {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        super::quant_cuda::qmatmul_fwd(&self.w, self.kernel, s, l)
+        crate::engine::cuda::quant::qmatmul_fwd(&self.w, self.kernel, s, l)
     }
 
     #[cfg(bot_metal)]
@@ -354,7 +356,7 @@ impl CustomOp1 for QMatMul {
         s: &candle_core::MetalStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::MetalStorage, Shape)> {
-        super::quant_metal::qmatmul_fwd(&self.w, s, l)
+        crate::engine::metal::quant::qmatmul_fwd(&self.w, s, l)
     }
 }
 
@@ -390,7 +392,7 @@ impl CustomOp1 for QGather {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        super::quant_cuda::gather_fwd(&self.w, s, l)
+        crate::engine::cuda::quant::gather_fwd(&self.w, s, l)
     }
 
     #[cfg(bot_metal)]
@@ -399,7 +401,7 @@ impl CustomOp1 for QGather {
         s: &candle_core::MetalStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::MetalStorage, Shape)> {
-        super::quant_metal::gather_fwd(&self.w, s, l)
+        crate::engine::metal::quant::gather_fwd(&self.w, s, l)
     }
 }
 

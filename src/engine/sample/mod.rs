@@ -24,6 +24,8 @@
 //! The log-probability reported with a token is `x_id - M - ln(sum exp(x_i - M))` (after the
 //! penalty, before the masks and the temperature).
 
+pub mod op;
+
 use std::cmp::Ordering;
 
 /// Fixed-point scale of a token's probability mass (relative to the most likely token).
@@ -225,9 +227,9 @@ pub fn decode_kernel_output(out: [u32; 3]) -> Result<Sampled, NonFinite> {
 /// The Metal sampler's source: `metal/sample.metal` with `kernels/sample.h` in place of its
 /// `#include` (the Metal compiler gets one string; the shim compiles the file as it is).
 pub fn metal_source() -> String {
-    include_str!("metal/sample.metal").replace(
+    include_str!("../metal/sample.metal").replace(
         "#include \"../kernels/sample.h\"",
-        include_str!("kernels/sample.h"),
+        include_str!("../kernels/sample.h"),
     )
 }
 
@@ -599,7 +601,7 @@ pub(crate) mod testutil {
     /// (or, at a near-tie of Gumbel scores, one whose score is within rounding of it), for every
     /// case of `logit_cases` and `param_cases`, at the test vocabularies and Qwen3's.
     pub fn check_device_sampler(dev: &candle_core::Device) {
-        use crate::engine::sample_op::{split_output, SampleOp};
+        use crate::engine::sample::op::{split_output, SampleOp};
         for vocab in [7usize, 512, 5000, 151_936] {
             let mut cases = logit_cases(vocab, vocab as u64);
             if vocab > 100_000 {
@@ -653,9 +655,9 @@ pub(crate) mod testutil {
 
 #[cfg(test)]
 mod tests {
-    use super::testutil::*;
     use super::*;
-    use crate::engine::sample_cpu::CpuSampler;
+    use crate::engine::cpu::sample::CpuSampler;
+    use crate::engine::sample::testutil::*;
 
     #[test]
     fn fast_sampler_keeps_the_reference_set_and_draws_from_it() {
@@ -792,7 +794,7 @@ mod tests {
     /// reference's set and draws the reference's token, with 64 and 256 lanes.
     #[test]
     fn msl_sampler_matches_the_reference_under_the_shim() {
-        let runner = crate::engine::metal_shim::runner("sample_runner");
+        let runner = crate::engine::metal::shim::runner("sample_runner");
         let mut checked = 0;
         for (vocab, threads) in [(7usize, 64usize), (512, 64), (3000, 256)] {
             let recent = recent(vocab);

@@ -14,8 +14,8 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, CudaStorage, Layout, Shape};
 
-use super::metal_plan::QParams;
-use super::quant::{CpuKernel, QMatrix};
+use crate::engine::metal::plan::QParams;
+use crate::engine::quant::{CpuKernel, QMatrix};
 
 pub(crate) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/qmatmul.ptx"));
 pub(crate) const MODULE: &str = "bot_qmatmul";
