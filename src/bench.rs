@@ -8,9 +8,9 @@ use anyhow::Context;
 use serde::Serialize;
 
 use crate::cli::BenchArgs;
-use crate::debug::{init_threads, kernel};
+use crate::debug::init_threads;
 use crate::engine::sample::{recent_distinct, Draw, SampleStep, SamplerParams};
-use crate::engine::{self, device, profile, synthetic, ModelOptions, Qwen3};
+use crate::engine::{self, device, profile, synthetic, Numerics, Qwen3};
 
 #[derive(Serialize)]
 pub struct Report {
@@ -87,12 +87,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let dev = device::select(args.device)?;
-    let opts = ModelOptions {
-        device: dev.clone(),
-        kernel: kernel(args.kernel),
-        route: args.qmatmul,
-        cuda_step: args.cuda_step,
-    };
+    let opts = args.engine.options(dev.clone(), Numerics::Fast);
     let (mut model, load_s, name) = if let Some(dir) = &args.model {
         let t = Instant::now();
         let adapter = match (&args.adapter, args.synthetic_lora) {
@@ -190,7 +185,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let report = Report {
         model: name,
         device: format!("{dev:?}"),
-        kernel: format!("{:?}", args.kernel).to_lowercase(),
+        kernel: format!("{:?}", opts.kernel).to_lowercase(),
         threads: rayon::current_num_threads(),
         lora: args.adapter.is_some() || args.synthetic_lora,
         sampler: describe(&sampler),

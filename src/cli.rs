@@ -6,7 +6,9 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::engine::device::DeviceKind;
 use crate::engine::synthetic::Shape;
-use crate::engine::{CudaStep, QMatmulRoute};
+use candle_core::Device;
+
+use crate::engine::{CudaStep, ModelOptions, Numerics, QMatmulRoute};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -87,15 +89,34 @@ pub struct ModelArgs {
     /// Worker threads (default: all cores)
     #[arg(long)]
     pub threads: Option<usize>,
-    /// CPU kernel for the quantized matmuls
-    #[arg(long, value_enum, default_value_t = KernelArg::Fast)]
-    pub kernel: KernelArg,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+/// How the engine computes: one group, flattened into every command that loads a model.
+#[derive(Debug, Args, Clone, Copy, Default)]
+pub struct EngineArgs {
+    /// Arithmetic of the quantized matmuls [default: fast; `debug forward`: exact]
+    #[arg(long, value_enum)]
+    pub kernel: Option<Numerics>,
     /// Kernels for the quantized projections: ours on the MLX layout, or candle's on Q4_1
     #[arg(long, value_enum, default_value_t = QMatmulRoute::Native)]
     pub qmatmul: QMatmulRoute,
     /// On CUDA: our fused step replayed as a CUDA graph, the same launched kernel by kernel, or candle ops
     #[arg(long, value_enum, default_value_t = CudaStep::Graph)]
     pub cuda_step: CudaStep,
+}
+
+impl EngineArgs {
+    /// The model options on `device`; `numerics` unless `--kernel` says otherwise.
+    pub fn options(&self, device: Device, numerics: Numerics) -> ModelOptions {
+        ModelOptions {
+            device,
+            kernel: self.kernel.unwrap_or(numerics),
+            route: self.qmatmul,
+            cuda_step: self.cuda_step,
+        }
+    }
 }
 
 /// How posts are written.
@@ -345,17 +366,6 @@ pub enum DebugCommand {
     Forward(ForwardArgs),
 }
 
-#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq, Default)]
-pub enum KernelArg {
-    /// f32 activations: bit-for-bit the arithmetic the mlx_lm fixtures are checked with
-    Exact,
-    /// 15-bit integer activations with AVX2 integer dot products (4-bit weights)
-    #[default]
-    Fast,
-    /// 8-bit integer activations (4-bit weights): fastest, least exact
-    Int8,
-}
-
 #[derive(Debug, Args)]
 pub struct ForwardArgs {
     /// mlx_lm model directory
@@ -370,15 +380,8 @@ pub struct ForwardArgs {
     /// Greedy steps to decode with the KV cache (EOS does not stop them)
     #[arg(long, default_value_t = 0)]
     pub steps: usize,
-    /// CPU kernel for the quantized matmuls
-    #[arg(long, value_enum, default_value_t = KernelArg::Exact)]
-    pub kernel: KernelArg,
-    /// Kernels for the quantized projections: ours on the MLX layout, or candle's on Q4_1
-    #[arg(long, value_enum, default_value_t = QMatmulRoute::Native)]
-    pub qmatmul: QMatmulRoute,
-    /// On CUDA: our fused step replayed as a CUDA graph, the same launched kernel by kernel, or candle ops
-    #[arg(long, value_enum, default_value_t = CudaStep::Graph)]
-    pub cuda_step: CudaStep,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
     /// Worker threads (default: all cores)
@@ -420,15 +423,8 @@ pub struct BenchArgs {
     /// A random rank-8 adapter on all seven projections of the last 16 layers
     #[arg(long)]
     pub synthetic_lora: bool,
-    /// CPU kernel for the quantized matmuls
-    #[arg(long, value_enum, default_value_t = KernelArg::Fast)]
-    pub kernel: KernelArg,
-    /// Kernels for the quantized projections: ours on the MLX layout, or candle's on Q4_1
-    #[arg(long, value_enum, default_value_t = QMatmulRoute::Native)]
-    pub qmatmul: QMatmulRoute,
-    /// On CUDA: our fused step replayed as a CUDA graph, the same launched kernel by kernel, or candle ops
-    #[arg(long, value_enum, default_value_t = CudaStep::Graph)]
-    pub cuda_step: CudaStep,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// How decode picks tokens: `default` (the user's default sampler, as `bot generate`),

@@ -8,10 +8,10 @@ use anyhow::Context;
 use clap::ValueEnum;
 
 use crate::cli::{GenerateArgs, ModelArgs, SamplingArgs};
-use crate::debug::{init_threads, kernel};
+use crate::debug::init_threads;
 use crate::engine::device::{self, DeviceKind};
 use crate::engine::sample::SamplerParams;
-use crate::engine::ModelOptions;
+use crate::engine::Numerics;
 use crate::generate::{self, Event, Generator, Post, PostRequest};
 use crate::hub::{self, HubEnv, Kind};
 use crate::settings::{Overrides, Settings};
@@ -70,12 +70,7 @@ pub fn load_generator(
             settings.device.source
         )
     })?;
-    let opts = ModelOptions {
-        device: device::select(kind)?,
-        kernel: kernel(m.kernel),
-        route: m.qmatmul,
-        cuda_step: m.cuda_step,
-    };
+    let opts = m.engine.options(device::select(kind)?, Numerics::Fast);
     let t = Instant::now();
     let generator = Generator::load(&model_dir, adapter_dir.as_deref(), &opts)
         .with_context(|| format!("loading model {}", model_dir.display()))?;

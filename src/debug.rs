@@ -6,21 +6,13 @@ use std::io::Write;
 use anyhow::Context;
 use serde::Serialize;
 
-use crate::cli::{ForwardArgs, KernelArg};
-use crate::engine::{self, CpuKernel, ModelOptions};
+use crate::cli::ForwardArgs;
+use crate::engine::{self, Numerics};
 
 #[derive(Serialize)]
 struct ForwardReport {
     last_logits: Vec<f32>,
     greedy_ids: Vec<u32>,
-}
-
-pub fn kernel(k: KernelArg) -> CpuKernel {
-    match k {
-        KernelArg::Exact => CpuKernel::Exact,
-        KernelArg::Fast => CpuKernel::Fast,
-        KernelArg::Int8 => CpuKernel::Int8,
-    }
 }
 
 /// Sizes the global worker pool once; later calls keep the first size. A count past
@@ -42,12 +34,9 @@ pub fn init_threads(threads: Option<usize>) -> Result<(), crate::exit::BadArgume
 
 pub fn forward(args: &ForwardArgs) -> anyhow::Result<()> {
     init_threads(args.threads)?;
-    let opts = ModelOptions {
-        kernel: kernel(args.kernel),
-        route: args.qmatmul,
-        cuda_step: args.cuda_step,
-        device: crate::engine::device::select(args.device)?,
-    };
+    let opts = args
+        .engine
+        .options(crate::engine::device::select(args.device)?, Numerics::Exact);
     let mut model = engine::load(&args.model, args.adapter.as_deref(), &opts)
         .with_context(|| format!("loading the model from {}", args.model.display()))?;
     let (last_logits, greedy_ids) = model.greedy(&args.ids, args.steps)?;

@@ -20,7 +20,7 @@ use std::path::Path;
 pub use config::{QuantParams, Qwen3Config};
 pub use error::{EngineError, Result};
 pub use lora::Adapter;
-pub use quant::{CpuKernel, QMatrix};
+pub use quant::{Numerics, QMatrix};
 pub use qwen3::{CudaStep, ModelOptions, QMatmulRoute, Qwen3};
 pub use weights::WeightStore;
 

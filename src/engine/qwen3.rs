@@ -17,7 +17,7 @@ use crate::engine::error::{EngineError, Result};
 use crate::engine::lora::{Adapter, LoraBranch};
 use crate::engine::profile::{self, Part};
 use crate::engine::quant::repack;
-use crate::engine::quant::{qmatmul, CpuKernel, QGather, QMatrix};
+use crate::engine::quant::{qmatmul, Numerics, QGather, QMatrix};
 use crate::engine::sample::op::{split_output, SampleOp};
 use crate::engine::sample::{decode_kernel_output, SampleState, SampleStep, Sampled};
 use crate::engine::weights::WeightStore;
@@ -29,7 +29,7 @@ const PREFILL_CHUNK: usize = 512;
 #[derive(Debug, Clone)]
 pub struct ModelOptions {
     pub device: Device,
-    pub kernel: CpuKernel,
+    pub kernel: Numerics,
     pub route: QMatmulRoute,
     pub cuda_step: CudaStep,
 }
@@ -38,7 +38,7 @@ impl Default for ModelOptions {
     fn default() -> Self {
         ModelOptions {
             device: Device::Cpu,
-            kernel: CpuKernel::Exact,
+            kernel: Numerics::Exact,
             route: QMatmulRoute::Native,
             cuda_step: CudaStep::Graph,
         }
@@ -169,7 +169,7 @@ impl Weight {
 pub struct Linear {
     pub weight: Weight,
     pub lora: Option<LoraBranch>,
-    kernel: CpuKernel,
+    kernel: Numerics,
     part: Part,
 }
 

@@ -1,5 +1,5 @@
 //! CPU forwards of the fused quantized matmul `y = x @ dequant(W)^T` (the slow references live
-//! in `quant.rs`). Three kernels, chosen by `CpuKernel`:
+//! in `quant.rs`). Three kernels, chosen by `Numerics`:
 //! - `Exact` (every bit width): each group is dequantized to f32 (`scale * q + bias`, as mlx
 //!   does) in a 128-value stack buffer and reused for all `m` activation rows, so the full
 //!   matrix is never materialized. f32 activations and accumulation.
@@ -18,11 +18,11 @@
 
 use rayon::prelude::*;
 
-use crate::engine::quant::{CpuKernel, ParamView, QMatrix};
+use crate::engine::quant::{Numerics, ParamView, QMatrix};
 use crate::engine::weights::Dtype;
 
 /// `y (m x rows) = x (m x cols) @ dequant(w)^T`.
-pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], kernel: CpuKernel) {
+pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], kernel: Numerics) {
     debug_assert_eq!(x.len(), m * w.cols);
     debug_assert_eq!(y.len(), m * w.rows);
     if m == 0 || w.rows == 0 {
@@ -38,15 +38,15 @@ pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], kernel: CpuKerne
             crate::engine::cpu::gemm::qgemm(w, x, m, y)
         }
         _ if m >= GEMM_MIN_ROWS => tiled_gemm(w, x, m, y),
-        CpuKernel::Fast if int => int_q4(w, x, m, y, true),
-        CpuKernel::Int8 if int => int_q4(w, x, m, y, false),
+        Numerics::Fast if int => int_q4(w, x, m, y, true),
+        Numerics::Int8 if int => int_q4(w, x, m, y, false),
         _ => exact(w, x, m, y),
     }
 }
 
 /// From this many activation rows on (prefill), weights are dequantized a tile of rows at a
 /// time and multiplied with an f32 GEMM: each dequantized value then serves every row, and the
-/// arithmetic is the `Exact` kernel's (f32 values, f32 accumulation) whatever `CpuKernel` says.
+/// arithmetic is the `Exact` kernel's (f32 values, f32 accumulation) whatever `Numerics` says.
 pub const GEMM_MIN_ROWS: usize = 8;
 const TILE_ROWS: usize = 128;
 
@@ -565,7 +565,7 @@ mod tests {
                     let x = rand_x(m, k, seed + 100);
                     let want = w.matmul_reference(&x, m);
                     let mut got = vec![0f32; m * rows];
-                    qmatmul(&w, &x, m, &mut got, CpuKernel::Exact);
+                    qmatmul(&w, &x, m, &mut got, Numerics::Exact);
                     let e = rel_err(&got, &want);
                     assert!(e <= 1e-5, "bits {bits} gs {gs} m {m} k {k}: rel err {e}");
                 }
@@ -590,10 +590,9 @@ mod tests {
             let w = random_qmatrix(50, k, 4, gs, Dtype::BF16, k as u64);
             let x = rand_x(m, k, 7);
             let want = w.matmul_reference(&x, m);
-            for (kernel, split, bound) in [
-                (CpuKernel::Fast, true, 1e-4),
-                (CpuKernel::Int8, false, 1e-2),
-            ] {
+            for (kernel, split, bound) in
+                [(Numerics::Fast, true, 1e-4), (Numerics::Int8, false, 1e-2)]
+            {
                 let scalar = int_q4_scalar(&w, &x, m, split);
                 let mut got = vec![0f32; m * 50];
                 qmatmul(&w, &x, m, &mut got, kernel);

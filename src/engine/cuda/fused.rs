@@ -24,16 +24,16 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::WrapErr;
 use candle_core::CudaDevice;
 
+use crate::engine::cuda::plan::{self, qmv4_smem, qmv4q_smem, Matmul};
 use crate::engine::cuda::quant::{
-    f16_prompt_kernel, qmm4_splits, qmm_splits, qmv4_block, qmv4_grid, qmv4_kernel, qmv4_smem,
-    qmv4q_smem, resident, Epi, GpuQMatrix, MODULE as QMODULE, PTX as QPTX,
+    qmv4_grid, resident, Epi, GpuQMatrix, MODULE as QMODULE, PTX as QPTX,
 };
 use crate::engine::cuda::sample;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::lora::LoraBranch;
-use crate::engine::metal::plan::QParams;
 use crate::engine::profile::KernelTime;
-use crate::engine::quant::{CpuKernel, QMatrix};
+use crate::engine::quant::QParams;
+use crate::engine::quant::{Numerics, QMatrix};
 use crate::engine::qwen3::{CudaStep, Linear, Qwen3, Weight};
 use crate::engine::sample::{
     decode_kernel_output, KernelParams, NonFinite, SampleState, SampleStep, Sampled,
@@ -87,7 +87,7 @@ struct Proj {
     decode: DecodeShape,
 }
 
-/// How the decode kernel runs on a `Proj`: `qmv4_block`'s shape, `qmv4_grid`'s blocks.
+/// How the decode kernel runs on a `Proj`: `plan::decode4`'s kernel and block, `qmv4_grid`'s blocks.
 #[derive(Clone, Copy, Default)]
 struct DecodeShape {
     f: &'static str,
@@ -142,7 +142,7 @@ impl Dims {
             .iter()
             .map(|&(n, k)| {
                 // the kernel (fp16 or TF32) depends on the bit width: room for either split
-                let s = qmm_splits(n, rows, k).max(qmm4_splits(n, rows, k));
+                let s = plan::qmm_splits(n, rows, k).max(plan::qmm4_splits(n, rows, k));
                 if s == 1 {
                     0
                 } else {
@@ -304,7 +304,7 @@ fn rope_tables(d: &Dims, cap: usize) -> (Vec<f32>, Vec<f32>) {
 
 impl FusedQwen3 {
     /// Uploads `m`'s weights in the fused layout; `unsupported(m)` must be `None`.
-    pub fn new(m: &Qwen3, dev: &CudaDevice, kernel: CpuKernel, mode: CudaStep) -> Result<Self> {
+    pub fn new(m: &Qwen3, dev: &CudaDevice, kernel: Numerics, mode: CudaStep) -> Result<Self> {
         let c = &m.cfg;
         let d = Dims {
             h: c.hidden_size,
@@ -404,12 +404,19 @@ impl FusedQwen3 {
             if p.bits != 4 {
                 return Ok(());
             }
-            let (rows_w, warps) = qmv4_block(p.n);
-            let (f, smem) = qmv4_kernel(kernel, rows_w, p.k);
+            let Matmul::Decode4 {
+                kernel: f,
+                warps,
+                smem,
+                passes,
+                ..
+            } = plan::decode4(p.n, p.k, kernel)
+            else {
+                unreachable!("decode4 plans a decode kernel")
+            };
             let func = funcs
                 .get(f)
                 .ok_or_else(|| EngineError::Invalid(format!("kernel {f} not loaded")))?;
-            let passes = p.n.div_ceil(rows_w * warps);
             let grid = qmv4_grid(func, passes, 32 * warps, smem, sms)?;
             p.decode = DecodeShape {
                 f,
@@ -438,7 +445,7 @@ impl FusedQwen3 {
             norm: vec(m.final_norm())?,
             embed,
             head,
-            exact: kernel == CpuKernel::Exact,
+            exact: kernel == Numerics::Exact,
             pdl,
             max_rtot,
             bufs,
@@ -869,49 +876,11 @@ impl FusedQwen3 {
             group_size: gs,
             sdtype: sd,
         };
-        if rows > 8 && !self.exact && f16_prompt_kernel(&q) {
-            let (xh, rs, ws) = (
-                ptr(&self.bufs.xh, st),
-                ptr(&self.bufs.rs, st),
-                ptr(&self.bufs.ws, st),
-            );
-            self.launch_as(
-                tag,
-                "x_to_f16p",
-                (rows, 1),
-                256,
-                0,
-                &[Arg::P(x), Arg::P(xh), Arg::P(rs), Arg::I(k)],
-            )?;
-            let splits = qmm4_splits(p.n, rows, p.k);
-            let splits = if splits * rows * p.n <= self.bufs.ws.len() {
-                splits
-            } else {
-                1
-            };
-            let a = [
-                Arg::P(xh),
-                Arg::P(rs),
-                Arg::P(w),
-                Arg::P(s),
-                Arg::P(b),
-                Arg::P(y),
-                Arg::P(ws),
-                Arg::I(rows as i32),
-                Arg::I(n),
-                Arg::I(k),
-                Arg::I(gs),
-                Arg::I(sd),
-                Arg::I(splits as i32),
-                Arg::E(epi),
-            ];
-            let grid = (p.n.div_ceil(128), rows.div_ceil(64), splits);
-            self.launch3(tag, "qmm4_f16", grid, 128, &a)?;
-            if splits == 1 {
-                return Ok(());
-            }
-            return self.reduce_splits(tag, rows, p.n, splits, y, epi);
-        }
+        let numerics = if self.exact {
+            Numerics::Exact
+        } else {
+            Numerics::Fast
+        };
         let a = [
             Arg::P(x),
             Arg::P(w),
@@ -926,37 +895,76 @@ impl FusedQwen3 {
             Arg::I(sd),
             Arg::E(epi),
         ];
-        let splits = qmm_splits(p.n, rows, p.k);
-        if rows <= 8 || self.exact {
-            self.launch_as(tag, "qmv_f32", (p.n.div_ceil(8), 1), 256, 0, &a)
-        } else if splits > 1 && splits * rows * p.n <= self.bufs.ws.len() {
-            let ws = ptr(&self.bufs.ws, st);
-            let grid = (p.n.div_ceil(64), rows.div_ceil(64) * splits);
-            let sk = [
-                Arg::P(x),
-                Arg::P(w),
-                Arg::P(s),
-                Arg::P(b),
-                Arg::P(ws),
-                Arg::I(rows as i32),
-                Arg::I(n),
-                Arg::I(k),
-                Arg::I(bits),
-                Arg::I(gs),
-                Arg::I(sd),
-                Arg::I(splits as i32),
-            ];
-            self.launch_as(tag, "qmm_tf32_sk", grid, 128, 0, &sk)?;
-            self.reduce_splits(tag, rows, p.n, splits, y, epi)
-        } else {
-            self.launch_as(
+        match plan::matmul(&q, numerics, self.bufs.ws.len()) {
+            Matmul::PromptF16 { splits } => {
+                let (xh, rs, ws) = (
+                    ptr(&self.bufs.xh, st),
+                    ptr(&self.bufs.rs, st),
+                    ptr(&self.bufs.ws, st),
+                );
+                self.launch_as(
+                    tag,
+                    "x_to_f16p",
+                    (rows, 1),
+                    256,
+                    0,
+                    &[Arg::P(x), Arg::P(xh), Arg::P(rs), Arg::I(k)],
+                )?;
+                let a = [
+                    Arg::P(xh),
+                    Arg::P(rs),
+                    Arg::P(w),
+                    Arg::P(s),
+                    Arg::P(b),
+                    Arg::P(y),
+                    Arg::P(ws),
+                    Arg::I(rows as i32),
+                    Arg::I(n),
+                    Arg::I(k),
+                    Arg::I(gs),
+                    Arg::I(sd),
+                    Arg::I(splits as i32),
+                    Arg::E(epi),
+                ];
+                let grid = (p.n.div_ceil(128), rows.div_ceil(64), splits);
+                self.launch3(tag, "qmm4_f16", grid, 128, &a)?;
+                if splits == 1 {
+                    return Ok(());
+                }
+                self.reduce_splits(tag, rows, p.n, splits, y, epi)
+            }
+            Matmul::PromptTf32 { splits } if splits > 1 => {
+                let ws = ptr(&self.bufs.ws, st);
+                let grid = (p.n.div_ceil(64), rows.div_ceil(64) * splits);
+                let sk = [
+                    Arg::P(x),
+                    Arg::P(w),
+                    Arg::P(s),
+                    Arg::P(b),
+                    Arg::P(ws),
+                    Arg::I(rows as i32),
+                    Arg::I(n),
+                    Arg::I(k),
+                    Arg::I(bits),
+                    Arg::I(gs),
+                    Arg::I(sd),
+                    Arg::I(splits as i32),
+                ];
+                self.launch_as(tag, "qmm_tf32_sk", grid, 128, 0, &sk)?;
+                self.reduce_splits(tag, rows, p.n, splits, y, epi)
+            }
+            Matmul::PromptTf32 { .. } => self.launch_as(
                 tag,
                 "qmm_tf32",
                 (p.n.div_ceil(64), rows.div_ceil(64)),
                 128,
                 0,
                 &a,
-            )
+            ),
+            // one row at 4 bits took the decode kernel above
+            Matmul::Rows | Matmul::Decode4 { .. } => {
+                self.launch_as(tag, "qmv_f32", (p.n.div_ceil(8), 1), 256, 0, &a)
+            }
         }
     }
 

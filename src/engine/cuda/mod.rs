@@ -4,6 +4,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod fused;
+pub mod plan;
 #[cfg(feature = "cuda")]
 pub mod quant;
 #[cfg(feature = "cuda")]

@@ -14,13 +14,12 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, CudaStorage, Layout, Shape};
 
-use crate::engine::metal::plan::QParams;
-use crate::engine::quant::{CpuKernel, QMatrix};
+use crate::engine::cuda::plan::{self, Matmul};
+use crate::engine::quant::QParams;
+use crate::engine::quant::{Numerics, QMatrix};
 
 pub(crate) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/qmatmul.ptx"));
 pub(crate) const MODULE: &str = "bot_qmatmul";
-/// Rows of x up to which the decode kernel is used (it reuses the codes across them).
-const QMV_MAX_ROWS: usize = 8;
 
 /// A `QMatrix` resident on one GPU.
 pub struct GpuQMatrix {
@@ -92,23 +91,28 @@ fn f32_input<'a>(
     Ok(x.slice(o0..o1))
 }
 
-/// The decode kernel on one row of x: four warps a block, two rows a warp where N is odd (so
-/// the kernel tests reach both instances of each kernel), and a block per pass of rows unless
-/// `grid` caps the blocks (each then takes several passes, as in the fused step).
+/// The decode kernel on one row of x, as `plan` (a `Matmul::Decode4`) says; `grid` caps the
+/// blocks (each then takes several passes, as in the fused step).
 fn qmv4_fwd(
     dev: &CudaDevice,
-    w: &QMatrix,
     g: &GpuQMatrix,
-    kernel: CpuKernel,
+    p: &QParams,
+    plan: Matmul,
     x: &CudaView<'_, f32>,
     grid: Option<usize>,
 ) -> candle_core::Result<CudaSlice<f32>> {
-    let (n, k) = (w.rows, w.cols);
-    let p = QParams::new(w, 1);
-    let rows = if n % 4 == 0 { 4 } else { 2 };
-    let (name, smem) = qmv4_kernel(kernel, rows, k);
+    let Matmul::Decode4 {
+        kernel,
+        warps,
+        smem,
+        passes,
+        ..
+    } = plan
+    else {
+        candle_core::bail!("qmv4_fwd: {plan:?} is not a decode plan");
+    };
     let func = dev
-        .get_or_load_custom_func(name, MODULE, PTX)?
+        .get_or_load_custom_func(kernel, MODULE, PTX)?
         .into_cuda_function();
     func.set_attribute(
         sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -116,7 +120,7 @@ fn qmv4_fwd(
     )
     .w()?;
     // SAFETY: every element is written by the kernel below.
-    let y = unsafe { dev.alloc::<f32>(n)? };
+    let y = unsafe { dev.alloc::<f32>(p.n as usize)? };
     let stream = dev.cuda_stream();
     let mut b = stream.launch_builder(&func);
     b.arg(x);
@@ -131,10 +135,9 @@ fn qmv4_fwd(
     b.arg(&no_norm);
     b.arg(&eps);
     b.arg(&epi);
-    let passes = n.div_ceil(rows * 4);
     let cfg = LaunchConfig {
         grid_dim: (grid.map_or(passes, |g| g.min(passes)) as u32, 1, 1),
-        block_dim: (128, 1, 1),
+        block_dim: (32 * warps as u32, 1, 1),
         shared_mem_bytes: smem as u32,
     };
     // SAFETY: the arguments match qmv4(q)_m1_r*'s signature; x holds k floats, y n.
@@ -142,10 +145,10 @@ fn qmv4_fwd(
     Ok(y)
 }
 
-/// `x (..., cols) -> (..., rows)` on the GPU.
+/// `x (..., cols) -> (..., rows)` on the GPU, as `plan::matmul` says.
 pub fn qmatmul_fwd(
     w: &QMatrix,
-    kernel: CpuKernel,
+    numerics: Numerics,
     s: &CudaStorage,
     l: &Layout,
 ) -> candle_core::Result<(CudaStorage, Shape)> {
@@ -154,132 +157,123 @@ pub fn qmatmul_fwd(
     let x = f32_input(w, s, l)?;
     let m = x.len() / k;
     let g = resident(w, dev)?;
-    if m == 1 && w.params.bits == 4 {
-        let y = qmv4_fwd(dev, w, &g, kernel, &x, None)?;
-        return Ok((
-            CudaStorage::wrap_cuda_slice(y, dev.clone()),
-            out_shape(l, n),
-        ));
-    }
-    // SAFETY: every element is written by the kernel below.
-    let y = unsafe { dev.alloc::<f32>(m * n)? };
     let p = QParams::new(w, m);
-    if m > QMV_MAX_ROWS && kernel != CpuKernel::Exact && f16_prompt_kernel(&p) {
-        let splits = qmm4_splits(n, m, k);
-        // SAFETY: x_to_f16p writes all m * k halves and m row scales; qmm4_f16 writes every
-        // element of y (one split) or of the splits * m * n partials.
-        let (xh, rs) = unsafe { (dev.alloc::<u16>(m * k)?, dev.alloc::<f32>(m)?) };
-        let ws = unsafe { dev.alloc::<f32>(if splits > 1 { splits * m * n } else { 1 })? };
-        let func = dev.get_or_load_custom_func("x_to_f16p", MODULE, PTX)?;
-        let mut b = func.builder();
-        b.arg(&x);
-        b.arg(&xh);
-        b.arg(&rs);
-        b.arg(&p.k);
-        let cfg = LaunchConfig {
-            grid_dim: (m as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match x_to_f16p's signature; x holds m * k floats.
-        unsafe { b.launch(cfg) }.w()?;
-        let func = dev.get_or_load_custom_func("qmm4_f16", MODULE, PTX)?;
-        let mut b = func.builder();
-        b.arg(&xh);
-        b.arg(&rs);
-        b.arg(&g.packed);
-        b.arg(&g.scales);
-        b.arg(&g.biases);
-        b.arg(&y);
-        b.arg(&ws);
-        let (sp, epi) = (splits as i32, Epi::default());
-        for d in [&p.m, &p.n, &p.k, &p.group_size, &p.sdtype, &sp] {
-            b.arg(d);
-        }
-        b.arg(&epi);
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(128) as u32, m.div_ceil(64) as u32, splits as u32),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match qmm4_f16's signature; buffers sized above.
-        unsafe { b.launch(cfg) }.w()?;
-        if splits > 1 {
-            reduce(dev, &ws, &y, &p, sp)?;
-        }
-        return Ok((
+    let plan = plan::matmul(&p, numerics, usize::MAX);
+    let wrap = |y| {
+        Ok((
             CudaStorage::wrap_cuda_slice(y, dev.clone()),
             out_shape(l, n),
-        ));
+        ))
+    };
+    if let Matmul::Decode4 { .. } = plan {
+        return wrap(qmv4_fwd(dev, &g, &p, plan, &x, None)?);
     }
-    let splits = qmm_splits(n, m, k);
-    if m > QMV_MAX_ROWS && kernel != CpuKernel::Exact && splits > 1 {
-        // split K over blocks (see qmm_tf32_sk), then add the partials
-        // SAFETY: qmm_tf32_sk writes every element of its splits * m * n partials.
-        let ws = unsafe { dev.alloc::<f32>(splits * m * n)? };
-        let func = dev.get_or_load_custom_func("qmm_tf32_sk", MODULE, PTX)?;
-        let mut b = func.builder();
-        b.arg(&x);
-        b.arg(&g.packed);
-        b.arg(&g.scales);
-        b.arg(&g.biases);
-        b.arg(&ws);
-        let sp = splits as i32;
-        for d in [&p.m, &p.n, &p.k, &p.bits, &p.group_size, &p.sdtype, &sp] {
-            b.arg(d);
-        }
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(64) as u32, (m.div_ceil(64) * splits) as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match qmm_tf32_sk's signature; ws holds splits * m * n.
-        unsafe { b.launch(cfg) }.w()?;
-        reduce(dev, &ws, &y, &p, sp)?;
-        return Ok((
-            CudaStorage::wrap_cuda_slice(y, dev.clone()),
-            out_shape(l, n),
-        ));
-    }
-    let (name, cfg) = if m > QMV_MAX_ROWS && kernel != CpuKernel::Exact {
-        (
-            "qmm_tf32",
-            LaunchConfig {
-                grid_dim: (n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            },
-        )
-    } else {
-        (
-            "qmv_f32",
-            LaunchConfig {
-                grid_dim: (n.div_ceil(8) as u32, 1, 1),
+    // SAFETY: every element is written by the kernels below.
+    let y = unsafe { dev.alloc::<f32>(m * n)? };
+    // SAFETY: the split kernels write every element of their splits * m * n partials.
+    let ws = unsafe { dev.alloc::<f32>(plan.workspace(&p).max(1))? };
+    match plan {
+        Matmul::PromptF16 { splits } => {
+            // SAFETY: x_to_f16p writes all m * k halves and m row scales.
+            let (xh, rs) = unsafe { (dev.alloc::<u16>(m * k)?, dev.alloc::<f32>(m)?) };
+            let func = dev.get_or_load_custom_func("x_to_f16p", MODULE, PTX)?;
+            let mut b = func.builder();
+            b.arg(&x);
+            b.arg(&xh);
+            b.arg(&rs);
+            b.arg(&p.k);
+            let cfg = LaunchConfig {
+                grid_dim: (m as u32, 1, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
-            },
-        )
-    };
-    let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
-    let mut b = func.builder();
-    b.arg(&x);
-    b.arg(&g.packed);
-    b.arg(&g.scales);
-    b.arg(&g.biases);
-    b.arg(&y);
-    // The kernels take the same parameters, in the same order, as the MSL ones.
-    let dims = [p.m, p.n, p.k, p.bits, p.group_size, p.sdtype];
-    for d in &dims {
-        b.arg(d);
+            };
+            // SAFETY: the arguments match x_to_f16p's signature; x holds m * k floats.
+            unsafe { b.launch(cfg) }.w()?;
+            let func = dev.get_or_load_custom_func("qmm4_f16", MODULE, PTX)?;
+            let mut b = func.builder();
+            b.arg(&xh);
+            b.arg(&rs);
+            b.arg(&g.packed);
+            b.arg(&g.scales);
+            b.arg(&g.biases);
+            b.arg(&y);
+            b.arg(&ws);
+            let (sp, epi) = (splits as i32, Epi::default());
+            for d in [&p.m, &p.n, &p.k, &p.group_size, &p.sdtype, &sp] {
+                b.arg(d);
+            }
+            b.arg(&epi);
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(128) as u32, m.div_ceil(64) as u32, splits as u32),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the arguments match qmm4_f16's signature; buffers sized above.
+            unsafe { b.launch(cfg) }.w()?;
+            if splits > 1 {
+                reduce(dev, &ws, &y, &p, sp)?;
+            }
+        }
+        Matmul::PromptTf32 { splits } if splits > 1 => {
+            let func = dev.get_or_load_custom_func("qmm_tf32_sk", MODULE, PTX)?;
+            let mut b = func.builder();
+            b.arg(&x);
+            b.arg(&g.packed);
+            b.arg(&g.scales);
+            b.arg(&g.biases);
+            b.arg(&ws);
+            let sp = splits as i32;
+            for d in [&p.m, &p.n, &p.k, &p.bits, &p.group_size, &p.sdtype, &sp] {
+                b.arg(d);
+            }
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(64) as u32, (m.div_ceil(64) * splits) as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the arguments match qmm_tf32_sk's signature; ws holds splits * m * n.
+            unsafe { b.launch(cfg) }.w()?;
+            reduce(dev, &ws, &y, &p, sp)?;
+        }
+        _ => {
+            let (name, cfg) = if let Matmul::PromptTf32 { .. } = plan {
+                (
+                    "qmm_tf32",
+                    LaunchConfig {
+                        grid_dim: (n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1),
+                        block_dim: (128, 1, 1),
+                        shared_mem_bytes: 0,
+                    },
+                )
+            } else {
+                (
+                    "qmv_f32",
+                    LaunchConfig {
+                        grid_dim: (n.div_ceil(8) as u32, 1, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    },
+                )
+            };
+            let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+            let mut b = func.builder();
+            b.arg(&x);
+            b.arg(&g.packed);
+            b.arg(&g.scales);
+            b.arg(&g.biases);
+            b.arg(&y);
+            // The kernels take the same parameters, in the same order, as the MSL ones.
+            let dims = [p.m, p.n, p.k, p.bits, p.group_size, p.sdtype];
+            for d in &dims {
+                b.arg(d);
+            }
+            let epi = Epi::default();
+            b.arg(&epi);
+            // SAFETY: the kernel's arguments match qmatmul.cu's signature; sizes checked above.
+            unsafe { b.launch(cfg) }.w()?;
+        }
     }
-    let epi = Epi::default();
-    b.arg(&epi);
-    // SAFETY: the kernel's arguments match qmatmul.cu's signature; sizes were checked above.
-    unsafe { b.launch(cfg) }.w()?;
-    Ok((
-        CudaStorage::wrap_cuda_slice(y, dev.clone()),
-        out_shape(l, n),
-    ))
+    wrap(y)
 }
 
 /// `y = sum of the splits' partials in ws` (qmm_reduce, no epilogue).
@@ -310,54 +304,6 @@ fn reduce(
     Ok(())
 }
 
-/// Whether a prompt matmul takes `qmm4_f16` (4 bits, K a multiple of its 128-code step, groups
-/// of whole 32-code runs); the rest take the TF32 kernel.
-pub(crate) fn f16_prompt_kernel(p: &QParams) -> bool {
-    // f32 scales and biases would be rounded to fp16 (bf16 and f16 ones convert exactly)
-    p.bits == 4 && p.k % 128 == 0 && p.group_size % 32 == 0 && p.group_size <= 128 && p.sdtype != 2
-}
-
-/// Blocks (128 weight rows by 64 x rows) a prompt matmul aims for: two per SM of an H100.
-const QMM4_TARGET_BLOCKS: usize = 264;
-
-/// K splits for `qmm4_f16` over `m` rows against an `n` x `k` matrix: doubled until the grid
-/// reaches the target, each split a multiple of 128 codes and at least 512 long.
-pub(crate) fn qmm4_splits(n: usize, m: usize, k: usize) -> usize {
-    k_splits(
-        n.div_ceil(128) * m.div_ceil(64),
-        k,
-        128,
-        512,
-        QMM4_TARGET_BLOCKS,
-    )
-}
-
-/// Prompt matmuls split K until they launch this many 64x64-tile blocks (about four per SM
-/// on a 132-SM H100), each split at least 256 codes long.
-const QMM_TARGET_BLOCKS: usize = 528;
-
-/// K splits for a prompt matmul (`qmm_tf32_sk`) of `m` rows against an `n` x `k` matrix; 1 = no
-/// split. Each split is a multiple of the kernel's 32-code K step.
-pub(crate) fn qmm_splits(n: usize, m: usize, k: usize) -> usize {
-    k_splits(
-        n.div_ceil(64) * m.div_ceil(64),
-        k,
-        32,
-        256,
-        QMM_TARGET_BLOCKS,
-    )
-}
-
-/// Splits of K for a grid of `blocks` tiles: doubled while the grid is under `target` and each
-/// split stays a multiple of the kernel's `step` codes and at least `min_len` long.
-fn k_splits(blocks: usize, k: usize, step: usize, min_len: usize, target: usize) -> usize {
-    let mut s = 1;
-    while blocks * s < target && k % (2 * s * step) == 0 && k / (2 * s) >= min_len {
-        s *= 2;
-    }
-    s
-}
-
 /// x's shape with the last dimension replaced by `n`.
 fn out_shape(l: &Layout, n: usize) -> Shape {
     let mut out = l.shape().dims().to_vec();
@@ -365,30 +311,6 @@ fn out_shape(l: &Layout, n: usize) -> Shape {
         *last = n;
     }
     Shape::from(out)
-}
-
-/// Dynamic shared memory of `qmv4_m1_r*` for rows of `k` codes (x staged as f32, padded to
-/// 1024, and a sum per 32 codes).
-pub(crate) fn qmv4_smem(k: usize) -> usize {
-    let k = k.next_multiple_of(1024);
-    k * 4 + k / 32 * 4
-}
-
-/// Dynamic shared memory of `qmv4q_m1_r*`: x staged as int16, and a scale and a sum per 32.
-pub(crate) fn qmv4q_smem(k: usize) -> usize {
-    let k = k.next_multiple_of(1024);
-    k * 2 + k / 32 * 8
-}
-
-/// Rows a warp and warps a block of the decode kernel for a matrix of `n` rows, as measured on
-/// an H100 with Qwen3-8B's shapes (docs/performance.md, session 7): two rows a warp and 16
-/// warps, eight warps for q|k|v-sized matrices, four rows and eight warps for vocabulary heads.
-pub(crate) fn qmv4_block(n: usize) -> (usize, usize) {
-    match n {
-        n if n >= 65536 => (4, 8),
-        n if (6144..16384).contains(&n) => (2, 8),
-        _ => (2, 16),
-    }
 }
 
 /// The decode kernel's grid for `passes` passes of rows: a block per pass, but no more than fit
@@ -405,21 +327,6 @@ pub(crate) fn qmv4_grid(
         .occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem, None)
         .w()? as usize;
     Ok(passes.min((per_sm * sms).max(1)))
-}
-
-/// The decode kernel at 4 bits and its dynamic shared memory: fp32 x for the exact kernel,
-/// 16-bit integer x (`dp2a`) for the fast one.
-pub(crate) fn qmv4_kernel(
-    kernel: CpuKernel,
-    rows_per_warp: usize,
-    k: usize,
-) -> (&'static str, usize) {
-    match (kernel, rows_per_warp) {
-        (CpuKernel::Exact, 4) => ("qmv4_m1_r4", qmv4_smem(k)),
-        (CpuKernel::Exact, _) => ("qmv4_m1_r2", qmv4_smem(k)),
-        (_, 4) => ("qmv4q_m1_r4", qmv4q_smem(k)),
-        _ => ("qmv4q_m1_r2", qmv4q_smem(k)),
-    }
 }
 
 /// Rows `ids (L,)` of the table, dequantized: `(L, cols)` f32.
@@ -491,7 +398,7 @@ mod tests {
     ) {
         let want = w.matmul_reference(&x, m);
         let xt = Tensor::from_vec(x, (m, w.cols), dev).unwrap();
-        let got: Vec<f32> = qmatmul(&xt, w, CpuKernel::Fast)
+        let got: Vec<f32> = qmatmul(&xt, w, Numerics::Fast)
             .unwrap()
             .flatten_all()
             .unwrap()
@@ -511,7 +418,7 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         for bits in [2, 3, 4, 5, 6, 8] {
             for gs in [32, 64, 128] {
-                // odd rows reach the two-rows-a-warp decode kernel; 2304 wide takes 3 steps and, from
+                // 2304 wide takes 3 steps and, from
                 // 9 rows on, splits K four ways (qmm_tf32_sk + qmm_reduce; 576 is no whole group)
                 for (rows, cols) in [(40, 256), (100, 384), (8, 640), (37, 2304)] {
                     let sd = [Dtype::BF16, Dtype::F16, Dtype::F32][(bits + gs) % 3];
@@ -529,7 +436,7 @@ mod tests {
                             .collect();
                         let want = w.matmul_reference(&x, m);
                         let xt = Tensor::from_vec(x, (m, cols), &dev).unwrap();
-                        for (kernel, tol) in [(CpuKernel::Exact, 1e-5), (CpuKernel::Fast, 3e-3)] {
+                        for (kernel, tol) in [(Numerics::Exact, 1e-5), (Numerics::Fast, 3e-3)] {
                             let y = qmatmul(&xt, &w, kernel).unwrap();
                             let got: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();
                             let e = rel_err(&got, &want);
@@ -579,8 +486,9 @@ mod tests {
 
     /// The fused step launches no more decode blocks than fit on the GPU, so each block takes
     /// several passes of rows and loads its next pass's first step while it finishes the
-    /// current one. With 1, 3 and 7 blocks, on 19 and 38 passes whose last one only some warps
-    /// fill, both decode kernels still give the reference's result.
+    /// current one. Every instance (2 or 4 rows a warp, exact or fast) and block shape the
+    /// plan can pick, with 1, 3 and 7 blocks and with a block a pass, on passes whose last
+    /// one only some warps fill, gives the reference's result.
     #[test]
     fn decode_kernels_with_fewer_blocks_than_passes() {
         let dev = Device::new_cuda(0).expect("a `cuda` build's tests need a GPU");
@@ -588,22 +496,25 @@ mod tests {
             unreachable!("a CUDA device")
         };
         let mut rng = rand::rngs::StdRng::seed_from_u64(9);
-        // 300 rows: 4 a warp, 16 a pass; 298: 2 a warp, 8 a pass
         for (rows, cols) in [(300, 2048), (298, 1024)] {
             let w = random_qmatrix(rows, cols, 4, 64, Dtype::BF16, 17);
             let g = resident(&w, cd).unwrap();
+            let p = QParams::new(&w, 1);
             let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1f32..1.0)).collect();
             let want = w.matmul_reference(&x, 1);
             let xs = cd.clone_htod(&x).unwrap();
-            for (kernel, tol) in [(CpuKernel::Exact, 1e-5), (CpuKernel::Fast, 3e-3)] {
-                for grid in [1, 3, 7] {
-                    let y = qmv4_fwd(cd, &w, &g, kernel, &xs.slice(..), Some(grid)).unwrap();
-                    let got = cd.clone_dtoh(&y).unwrap();
-                    let e = rel_err(&got, &want);
-                    assert!(
-                        e <= tol,
-                        "{rows}x{cols} {kernel:?} grid {grid}: rel err {e:.2e} > {tol:.0e}"
-                    );
+            for (kernel, tol) in [(Numerics::Exact, 1e-5), (Numerics::Fast, 3e-3)] {
+                for (rows_w, warps) in [(4, 4), (2, 4), (2, 8), (2, 16), (4, 8)] {
+                    let plan = plan::decode4_with(rows, cols, kernel, rows_w, warps);
+                    for grid in [Some(1), Some(3), Some(7), None] {
+                        let y = qmv4_fwd(cd, &g, &p, plan, &xs.slice(..), grid).unwrap();
+                        let got = cd.clone_dtoh(&y).unwrap();
+                        let e = rel_err(&got, &want);
+                        assert!(
+                            e <= tol,
+                            "{rows}x{cols} {plan:?} grid {grid:?}: rel err {e:.2e} > {tol:.0e}"
+                        );
+                    }
                 }
             }
         }

@@ -6,50 +6,7 @@
 /// The MSL source, compiled at run time by the Metal device.
 pub const SOURCE: &str = include_str!("qmatmul.metal");
 
-/// Mirrors `struct QParams` in the MSL source.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct QParams {
-    pub m: i32,
-    pub n: i32,
-    pub k: i32,
-    pub bits: i32,
-    pub group_size: i32,
-    /// 0 bf16, 1 f16, 2 f32
-    pub sdtype: i32,
-}
-
-impl QParams {
-    /// `m` rows of x (or ids) against `w`.
-    pub fn new(w: &crate::engine::quant::QMatrix, m: usize) -> Self {
-        QParams {
-            m: m as i32,
-            n: w.rows as i32,
-            k: w.cols as i32,
-            bits: w.params.bits as i32,
-            group_size: w.params.group_size as i32,
-            sdtype: w.scales.kernel_code(),
-        }
-    }
-
-    pub fn to_bytes(self) -> [u8; 24] {
-        let mut b = [0u8; 24];
-        for (i, v) in [
-            self.m,
-            self.n,
-            self.k,
-            self.bits,
-            self.group_size,
-            self.sdtype,
-        ]
-        .iter()
-        .enumerate()
-        {
-            b[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
-        }
-        b
-    }
-}
+pub use crate::engine::quant::QParams;
 
 /// A dispatch: kernel name, threadgroups in the grid, threads per threadgroup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -5,7 +5,10 @@
 //! `y = x @ dequant(W)^T`, and `dequantize` / `matmul_reference` are the slow references that
 //! the fused kernels are tested against.
 
+mod params;
 pub mod repack;
+
+pub use params::QParams;
 
 use std::sync::Arc;
 
@@ -285,23 +288,23 @@ impl QMatrix {
     }
 }
 
-/// How the CPU computes the fused product.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum CpuKernel {
-    /// f32 activations, f32 accumulation: the mode the mlx_lm fixture tests use.
+/// The arithmetic of the quantized products, on every backend (`--kernel`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Numerics {
+    /// f32 activations: bit-for-bit the arithmetic the mlx_lm fixtures are checked with
     #[default]
     Exact,
-    /// Activations rounded to 15-bit integers per 32 values and integer dot products (AVX2,
-    /// 4-bit weights; other cases use `Exact`); see `cpu::quant` for the error bound.
+    /// 15-bit integer activations per 32 values, integer dot products (4-bit weights; AVX2 on
+    /// the CPU, dp2a on CUDA; other cases compute as `exact`), fp16 prompt tiles on CUDA
     Fast,
-    /// Like `Fast` with 8-bit activations: less work, larger error.
+    /// 8-bit integer activations (4-bit weights, CPU): fastest, least exact
     Int8,
 }
 
 /// The fused quantized matmul as a candle op over the activations; the weights ride along.
 pub struct QMatMul {
     pub w: Arc<QMatrix>,
-    pub kernel: CpuKernel,
+    pub kernel: Numerics,
 }
 
 impl CustomOp1 for QMatMul {
@@ -406,7 +409,7 @@ impl CustomOp1 for QGather {
 }
 
 /// Applies the fused op to `x (..., cols)`, giving `(..., rows)`.
-pub fn qmatmul(x: &Tensor, w: &Arc<QMatrix>, kernel: CpuKernel) -> Result<Tensor> {
+pub fn qmatmul(x: &Tensor, w: &Arc<QMatrix>, kernel: Numerics) -> Result<Tensor> {
     let mut x = x.contiguous()?;
     if !x.device().is_cpu() && x.layout().start_offset() % 4 != 0 {
         // GPU kernels load x in 16-byte vectors
