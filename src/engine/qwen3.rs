@@ -292,19 +292,32 @@ struct Rope {
     sin_host: Vec<f32>,
 }
 
-/// The tables for positions `offset..offset+len`, built once per forward for all layers.
-fn rope_tables(cfg: &Qwen3Config, offset: usize, len: usize, dev: &Device) -> Result<Rope> {
-    let half = cfg.head_dim / 2;
-    let mut cos = Vec::with_capacity(len * half);
-    let mut sin = Vec::with_capacity(len * half);
-    for p in offset..offset + len {
+/// cos and sin of RoPE's angles for `positions`, `(positions, head_dim / 2)` row-major, the
+/// half-split layout mlx_lm's `nn.RoPE(traditional=False)` uses. Every path (candle ops, the
+/// CPU attention, the fused CUDA step) takes its tables from here.
+pub(crate) fn rope_angles(
+    theta: f64,
+    head_dim: usize,
+    positions: std::ops::Range<usize>,
+) -> (Vec<f32>, Vec<f32>) {
+    let half = head_dim / 2;
+    let mut cos = Vec::with_capacity(positions.len() * half);
+    let mut sin = Vec::with_capacity(positions.len() * half);
+    for p in positions {
         for i in 0..half {
             // inv_freq = theta^(-2i/d), computed in f64 so the table is exact to f32
-            let angle = p as f64 * cfg.rope_theta.powf(-(2.0 * i as f64) / cfg.head_dim as f64);
+            let angle = p as f64 * theta.powf(-(2.0 * i as f64) / head_dim as f64);
             cos.push(angle.cos() as f32);
             sin.push(angle.sin() as f32);
         }
     }
+    (cos, sin)
+}
+
+/// The tables for positions `offset..offset+len`, built once per forward for all layers.
+fn rope_tables(cfg: &Qwen3Config, offset: usize, len: usize, dev: &Device) -> Result<Rope> {
+    let half = cfg.head_dim / 2;
+    let (cos, sin) = rope_angles(cfg.rope_theta, cfg.head_dim, offset..offset + len);
     Ok(Rope {
         cos: Tensor::from_vec(cos.clone(), (len, half), dev)?,
         sin: Tensor::from_vec(sin.clone(), (len, half), dev)?,

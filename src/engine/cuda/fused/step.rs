@@ -1,0 +1,437 @@
+//! The step itself: every kernel of a forward in order (`issue`), the projections with their
+//! fused norms and epilogues, and the sampler at the end.
+
+use super::*;
+
+impl FusedQwen3 {
+    /// `y (rows, p.n) = x (rows, p.k) @ W^T`, plus LoRA and `residual` (which may be `y`).
+    /// With `norm`, x is RMS-normalized with that weight first: inside the matmul (and the
+    /// LoRA A product) where the decode kernel runs and `fuse` allows, else by its own kernel.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn proj(
+        &self,
+        tag: &'static str,
+        p: &Proj,
+        x: u64,
+        rows: usize,
+        y: u64,
+        residual: u64,
+        norm: Option<&CudaSlice<f32>>,
+        fuse: bool,
+    ) -> Result<()> {
+        let st = &self.stream;
+        let decode = rows == 1 && p.bits == 4;
+        // gate|up: the decode kernel writes SwiGLU's output to `act` directly
+        let y = if p.interleaved && decode {
+            ptr(&self.bufs.act, st)
+        } else {
+            y
+        };
+        let (x, nw) = match norm {
+            Some(w) if decode && fuse => (x, ptr(w, st)),
+            Some(w) => {
+                let xn = ptr(&self.bufs.xn, st);
+                self.rms_norm(x, w, xn, rows)?;
+                (xn, 0)
+            }
+            None => (x, 0),
+        };
+        let mut epi = Epi {
+            residual,
+            swiglu: (p.interleaved && decode) as i32,
+            ..Epi::default()
+        };
+        if let Some(l) = &p.lora {
+            let t = ptr(&self.bufs.t, st);
+            self.launch(
+                "lora_a_f32",
+                (l.rtot, rows),
+                256,
+                &[
+                    Arg::P(x),
+                    Arg::P(ptr(&l.at, st)),
+                    Arg::P(t),
+                    Arg::I(p.k as i32),
+                    Arg::I(l.rtot as i32),
+                    Arg::P(nw),
+                    Arg::F(self.d.eps),
+                ],
+            )?;
+            epi.lora_t = t;
+            epi.lora_bt = ptr(&l.bt, st);
+            epi.r = l.r as i32;
+            epi.rtot = l.rtot as i32;
+            epi.seg1 = l.seg1 as i32;
+            epi.seg2 = l.seg2 as i32;
+            epi.pairs = p.interleaved as i32;
+        }
+        let (w, s, b) = (
+            ptr(&p.w.packed, st),
+            ptr(&p.w.scales, st),
+            ptr(&p.w.biases, st),
+        );
+        let (n, k) = (p.n as i32, p.k as i32);
+        let (bits, gs, sd) = (p.bits as i32, p.group_size as i32, p.sdtype);
+        if decode {
+            let a = [
+                Arg::P(x),
+                Arg::P(w),
+                Arg::P(s),
+                Arg::P(b),
+                Arg::P(y),
+                Arg::I(n),
+                Arg::I(k),
+                Arg::I(gs),
+                Arg::I(sd),
+                Arg::P(nw),
+                Arg::F(self.d.eps),
+                Arg::E(epi),
+            ];
+            let s = p.decode;
+            return self.launch_as(tag, s.f, (s.grid, 1), s.threads, s.smem, &a);
+        }
+        let q = QParams {
+            m: rows as i32,
+            n,
+            k,
+            bits,
+            group_size: gs,
+            sdtype: sd,
+        };
+        let numerics = if self.exact {
+            Numerics::Exact
+        } else {
+            Numerics::Fast
+        };
+        let a = [
+            Arg::P(x),
+            Arg::P(w),
+            Arg::P(s),
+            Arg::P(b),
+            Arg::P(y),
+            Arg::I(rows as i32),
+            Arg::I(n),
+            Arg::I(k),
+            Arg::I(bits),
+            Arg::I(gs),
+            Arg::I(sd),
+            Arg::E(epi),
+        ];
+        match plan::matmul(&q, numerics, self.bufs.ws.len()) {
+            Matmul::PromptF16 { splits } => {
+                let (xh, rs, ws) = (
+                    ptr(&self.bufs.xh, st),
+                    ptr(&self.bufs.rs, st),
+                    ptr(&self.bufs.ws, st),
+                );
+                self.launch_as(
+                    tag,
+                    "x_to_f16p",
+                    (rows, 1),
+                    256,
+                    0,
+                    &[Arg::P(x), Arg::P(xh), Arg::P(rs), Arg::I(k)],
+                )?;
+                let a = [
+                    Arg::P(xh),
+                    Arg::P(rs),
+                    Arg::P(w),
+                    Arg::P(s),
+                    Arg::P(b),
+                    Arg::P(y),
+                    Arg::P(ws),
+                    Arg::I(rows as i32),
+                    Arg::I(n),
+                    Arg::I(k),
+                    Arg::I(gs),
+                    Arg::I(sd),
+                    Arg::I(splits as i32),
+                    Arg::E(epi),
+                ];
+                let grid = (p.n.div_ceil(128), rows.div_ceil(64), splits);
+                self.launch3(tag, "qmm4_f16", grid, 128, &a)?;
+                if splits == 1 {
+                    return Ok(());
+                }
+                self.reduce_splits(tag, rows, p.n, splits, y, epi)
+            }
+            Matmul::PromptTf32 { splits } if splits > 1 => {
+                let ws = ptr(&self.bufs.ws, st);
+                let grid = (p.n.div_ceil(64), rows.div_ceil(64) * splits);
+                let sk = [
+                    Arg::P(x),
+                    Arg::P(w),
+                    Arg::P(s),
+                    Arg::P(b),
+                    Arg::P(ws),
+                    Arg::I(rows as i32),
+                    Arg::I(n),
+                    Arg::I(k),
+                    Arg::I(bits),
+                    Arg::I(gs),
+                    Arg::I(sd),
+                    Arg::I(splits as i32),
+                ];
+                self.launch_as(tag, "qmm_tf32_sk", grid, 128, 0, &sk)?;
+                self.reduce_splits(tag, rows, p.n, splits, y, epi)
+            }
+            Matmul::PromptTf32 { .. } => self.launch_as(
+                tag,
+                "qmm_tf32",
+                (p.n.div_ceil(64), rows.div_ceil(64)),
+                128,
+                0,
+                &a,
+            ),
+            // one row at 4 bits took the decode kernel above
+            Matmul::Rows | Matmul::Decode4 { .. } => {
+                self.launch_as(tag, "qmv_f32", (p.n.div_ceil(8), 1), 256, 0, &a)
+            }
+        }
+    }
+
+    /// `y (rows, n) = epilogue(sum of the split-K partials in ws)`: `qmm_reduce`.
+    pub(super) fn reduce_splits(
+        &self,
+        tag: &'static str,
+        rows: usize,
+        n: usize,
+        splits: usize,
+        y: u64,
+        epi: Epi,
+    ) -> Result<()> {
+        let red = [
+            Arg::P(ptr(&self.bufs.ws, &self.stream)),
+            Arg::P(y),
+            Arg::I(rows as i32),
+            Arg::I(n as i32),
+            Arg::I(splits as i32),
+            Arg::E(epi),
+        ];
+        let grid = ((rows * n).div_ceil(256), 1);
+        self.launch_as(tag, "qmm_reduce", grid, 256, 0, &red)
+    }
+
+    pub(super) fn rms_norm(
+        &self,
+        src: u64,
+        w: &CudaSlice<f32>,
+        dst: u64,
+        rows: usize,
+    ) -> Result<()> {
+        let a = [
+            Arg::P(src),
+            Arg::P(ptr(w, &self.stream)),
+            Arg::P(dst),
+            Arg::I(self.d.h as i32),
+            Arg::F(self.d.eps),
+        ];
+        self.launch("rms_norm_f32", (rows, 1), 256, &a)
+    }
+
+    /// Every kernel of a forward over `m` rows, in order, on the stream; with `sample`, the
+    /// sampler after the head (on the last row's logits, which it penalizes in place).
+    pub(super) fn issue(
+        &self,
+        m: usize,
+        all_logits: bool,
+        mut hidden: Option<&mut Vec<Vec<f32>>>,
+        sample: Option<KernelParams>,
+    ) -> Result<()> {
+        let (d, st) = (self.d, &self.stream);
+        let b = &self.bufs;
+        let (x, xn, qkv, ao, gu, act) = (
+            ptr(&b.x, st),
+            ptr(&b.xn, st),
+            ptr(&b.qkv, st),
+            ptr(&b.ao, st),
+            ptr(&b.gu, st),
+            ptr(&b.act, st),
+        );
+        let pos = ptr(&self.pos, st);
+        let e = &self.embed;
+        self.launch(
+            "qgather_f32",
+            ((d.h / 16).div_ceil(128), m),
+            128,
+            &[
+                Arg::P(ptr(&b.ids, st)),
+                Arg::P(ptr(&e.w.packed, st)),
+                Arg::P(ptr(&e.w.scales, st)),
+                Arg::P(ptr(&e.w.biases, st)),
+                Arg::P(x),
+                Arg::I(d.h as i32),
+                Arg::I(e.bits as i32),
+                Arg::I(e.group_size as i32),
+                Arg::I(e.sdtype),
+            ],
+        )?;
+        let keep =
+            |h: &mut Option<&mut Vec<Vec<f32>>>, src: &CudaSlice<f32>, n: usize| -> Result<()> {
+                if let Some(h) = h {
+                    let mut v = vec![0f32; n];
+                    st.memcpy_dtoh(&src.slice(0..n), &mut v).w()?;
+                    st.synchronize().w()?;
+                    h.push(v);
+                }
+                Ok(())
+            };
+        keep(&mut hidden, &b.x, m * d.h)?;
+        // the final norm's output is a hidden state, so it is materialized when kept
+        let fuse = hidden.is_none();
+        let half = d.hd / 2;
+        let (attention, attention_decode) = match d.hd {
+            32 => ("attention_f32_hd32", "attention_decode_hd32"),
+            64 => ("attention_f32_hd64", "attention_decode_hd64"),
+            128 => ("attention_f32_hd128", "attention_decode_hd128"),
+            _ => ("attention_f32_hd256", "attention_decode_hd256"),
+        };
+        let scale = (d.hd as f32).powf(-0.5);
+        for (i, l) in self.layers.iter().enumerate() {
+            self.proj("qkv_proj", &l.qkv, x, m, qkv, 0, Some(&l.in_norm), fuse)?;
+            let (kc, vc) = (ptr(&self.cache.k[i], st), ptr(&self.cache.v[i], st));
+            let (qn, kn) = (ptr(&l.q_norm, st), ptr(&l.k_norm, st));
+            let (cos, sin) = (ptr(&self.cache.cos, st), ptr(&self.cache.sin, st));
+            if m == 1 {
+                // q/k norms, RoPE and the cache write happen inside the decode attention
+                self.launch_as(
+                    "attention (+ q/k norm, RoPE, cache write)",
+                    attention_decode,
+                    (d.nh, ATT_SPLITS),
+                    256,
+                    0,
+                    &[
+                        Arg::P(qkv),
+                        Arg::P(qn),
+                        Arg::P(kn),
+                        Arg::P(kc),
+                        Arg::P(vc),
+                        Arg::P(cos),
+                        Arg::P(sin),
+                        Arg::P(ao),
+                        Arg::P(pos),
+                        Arg::I(d.nh as i32),
+                        Arg::I(d.nkv as i32),
+                        Arg::F(scale),
+                        Arg::F(d.eps),
+                        Arg::P(ptr(&b.att_ws, st)),
+                        Arg::P(ptr(&b.att_cnt, st)),
+                    ],
+                )?;
+            } else {
+                self.launch(
+                    "qk_norm_rope_cache",
+                    (d.nh + d.nkv, m),
+                    half.next_multiple_of(32),
+                    &[
+                        Arg::P(qkv),
+                        Arg::P(qn),
+                        Arg::P(kn),
+                        Arg::P(kc),
+                        Arg::P(vc),
+                        Arg::P(cos),
+                        Arg::P(sin),
+                        Arg::P(pos),
+                        Arg::I(d.nh as i32),
+                        Arg::I(d.nkv as i32),
+                        Arg::I(d.hd as i32),
+                        Arg::F(d.eps),
+                    ],
+                )?;
+                self.launch_as(
+                    "attention",
+                    attention,
+                    (d.nh, m),
+                    256,
+                    0,
+                    &[
+                        Arg::P(qkv),
+                        Arg::P(kc),
+                        Arg::P(vc),
+                        Arg::P(ao),
+                        Arg::P(pos),
+                        Arg::I(d.nh as i32),
+                        Arg::I(d.nkv as i32),
+                        Arg::F(scale),
+                    ],
+                )?;
+            }
+            self.proj("o_proj", &l.o, ao, m, x, x, None, fuse)?;
+            self.proj("gate_up_proj", &l.gu, x, m, gu, 0, Some(&l.post_norm), fuse)?;
+            if !(m == 1 && l.gu.bits == 4) {
+                let total = m * d.inter;
+                self.launch(
+                    "swiglu_f32",
+                    (total.div_ceil(256), 1),
+                    256,
+                    &[
+                        Arg::P(gu),
+                        Arg::P(act),
+                        Arg::I(d.inter as i32),
+                        Arg::I(total as i32),
+                    ],
+                )?;
+            }
+            self.proj("down_proj", &l.down, act, m, x, x, None, fuse)?;
+            keep(&mut hidden, &b.x, m * d.h)?;
+        }
+        let rows = if all_logits { m } else { 1 };
+        let last = x + ((m - rows) * d.h * 4) as u64;
+        if !fuse {
+            self.rms_norm(last, &self.norm, xn, rows)?;
+            keep(&mut hidden, &b.xn, rows * d.h)?;
+            self.proj(
+                "lm_head",
+                &self.head,
+                xn,
+                rows,
+                ptr(&b.logits, st),
+                0,
+                None,
+                fuse,
+            )?;
+            return match sample {
+                Some(p) => self.sample(p),
+                None => Ok(()),
+            };
+        }
+        self.proj(
+            "lm_head",
+            &self.head,
+            last,
+            rows,
+            ptr(&b.logits, st),
+            0,
+            Some(&self.norm),
+            fuse,
+        )?;
+        match sample {
+            Some(p) => self.sample(p),
+            None => Ok(()),
+        }
+    }
+
+    /// `sample_f32` on the last row of logits (one block; `kernels/sample.h`).
+    pub(super) fn sample(&self, p: KernelParams) -> Result<()> {
+        let st = &self.stream;
+        let logits = ptr(&self.bufs.logits, st);
+        let out = ptr(&self.sample_out, st);
+        self.launch_as(
+            "sample",
+            sample::KERNEL,
+            (1, 1),
+            sample::THREADS,
+            0,
+            &[
+                Arg::P(logits),
+                Arg::P(logits),
+                Arg::I(self.d.vocab as i32),
+                Arg::S(p),
+                Arg::P(ptr(&self.sample_state, st)),
+                Arg::P(out),
+                Arg::P(out),
+                Arg::I(0),
+            ],
+        )
+    }
+}
