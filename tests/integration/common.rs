@@ -14,6 +14,25 @@ pub fn fixtures() -> PathBuf {
     }
 }
 
+/// The head_dim-128 fixture (real Qwen3's head size; tests/fixtures/hd128), beside `fixtures()`.
+pub fn fixtures_hd128() -> PathBuf {
+    fixtures()
+        .parent()
+        .expect("the fixtures directory has a parent")
+        .join("hd128")
+}
+
+/// Every fixture set: (root, variants with whether their params are f32 natively).
+pub fn fixture_sets() -> Vec<(PathBuf, Vec<(String, bool)>)> {
+    [fixtures(), fixtures_hd128()]
+        .into_iter()
+        .map(|root| {
+            let v = variants_at(&root);
+            (root, v)
+        })
+        .collect()
+}
+
 /// The device the engine tests run on: `BOT_TEST_DEVICE` (cpu, cuda, metal), CPU by default.
 /// A device that is asked for but missing fails the test rather than falling back.
 pub fn test_device() -> candle_core::Device {
@@ -28,18 +47,25 @@ pub fn test_device() -> candle_core::Device {
 }
 
 pub fn manifest() -> Value {
-    serde_json::from_str(&std::fs::read_to_string(fixtures().join("manifest.json")).unwrap())
-        .unwrap()
+    manifest_at(&fixtures())
+}
+
+pub fn manifest_at(root: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(root.join("manifest.json")).unwrap()).unwrap()
 }
 
 /// Variants in the committed fixture, with whether their params are f32 natively.
 pub fn variants() -> Vec<(String, bool)> {
-    let m = manifest();
+    variants_at(&fixtures())
+}
+
+pub fn variants_at(root: &Path) -> Vec<(String, bool)> {
+    let m = manifest_at(root);
     let mut v: Vec<(String, bool)> = m["variants"]
         .as_object()
         .unwrap()
         .iter()
-        .filter(|(k, _)| fixtures().join(k).is_dir())
+        .filter(|(k, _)| root.join(k).is_dir())
         .map(|(k, v)| (k.clone(), v["dtype"] == "float32"))
         .collect();
     v.sort();
@@ -52,7 +78,10 @@ pub struct Reference {
 
 impl Reference {
     pub fn open(variant: &str) -> Self {
-        let p = fixtures().join("ref").join(variant).join("ref.safetensors");
+        Self::open_at(&fixtures(), variant)
+    }
+    pub fn open_at(root: &Path, variant: &str) -> Self {
+        let p = root.join("ref").join(variant).join("ref.safetensors");
         Reference {
             file: SafetensorsFile::open(&p).unwrap(),
         }
@@ -77,12 +106,16 @@ impl Reference {
 }
 
 pub fn greedy_ref(variant: &str, kind: &str, f32_native: bool) -> Value {
+    greedy_ref_at(&fixtures(), variant, kind, f32_native)
+}
+
+pub fn greedy_ref_at(root: &Path, variant: &str, kind: &str, f32_native: bool) -> Value {
     let name = if f32_native {
         format!("greedy_{kind}.json")
     } else {
         format!("greedy_{kind}_f32.json")
     };
-    let p = fixtures().join("ref").join(variant).join(name);
+    let p = root.join("ref").join(variant).join(name);
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }
 

@@ -6,7 +6,7 @@
 //! hidden states max |Δ| ≤ 1e-4 on values up to ~9 (measured ≤ 8.3e-6), greedy ids identical
 //! unless mlx's recorded top-1/top-2 margin at that step is below 1e-4.
 
-use bot::engine::{self, Adapter, CpuKernel, ModelOptions, Qwen3, Qwen3Config, WeightStore};
+use bot::engine::{self, Adapter, ModelOptions, Numerics, Qwen3, Qwen3Config, WeightStore};
 
 use crate::common::*;
 
@@ -14,15 +14,19 @@ const LOGIT_TOL: f32 = 1e-3;
 const HIDDEN_TOL: f32 = 1e-4;
 const MARGIN_EXEMPT: f64 = 1e-4;
 
-fn load(variant: &str, lora: bool, kernel: CpuKernel) -> Qwen3 {
-    let adapter = fixtures().join("adapter");
+fn load(variant: &str, lora: bool, kernel: Numerics) -> Qwen3 {
+    load_at(&fixtures(), variant, lora, kernel)
+}
+
+fn load_at(root: &std::path::Path, variant: &str, lora: bool, kernel: Numerics) -> Qwen3 {
+    let adapter = root.join("adapter");
     let opts = ModelOptions {
         kernel,
         device: test_device(),
         ..ModelOptions::default()
     };
     engine::load(
-        &fixtures().join(variant),
+        &root.join(variant),
         lora.then_some(adapter.as_path()),
         &opts,
     )
@@ -73,13 +77,27 @@ fn assert_greedy_matches(label: &str, got: &[u32], reference: &serde_json::Value
 
 #[test]
 fn logits_and_hidden_states_match_mlx_f32_on_every_variant() {
-    let vs = variants();
-    assert!(vs.len() >= 7, "fixture variants missing: {vs:?}");
-    for (v, f32n) in vs {
-        let r = Reference::open(&v);
+    let sets = fixture_sets();
+    assert!(
+        sets[0].1.len() >= 7,
+        "fixture variants missing: {:?}",
+        sets[0]
+    );
+    assert!(
+        sets[1].1.len() >= 2,
+        "head_dim-128 variants missing: {:?}",
+        sets[1]
+    );
+    for (root, v, f32n) in sets
+        .iter()
+        .flat_map(|(root, vs)| vs.iter().map(move |(v, f)| (root, v.clone(), *f)))
+    {
+        let r = Reference::open_at(root, &v);
+        let v = format!("{}/{v}", root.file_name().unwrap().to_string_lossy());
+        let variant = v.rsplit('/').next().unwrap();
         let ids = r.prompt_ids();
         for (kind, lora) in [("base", false), ("lora", true)] {
-            let mut m = load(&v, lora, CpuKernel::Exact);
+            let mut m = load_at(root, variant, lora, Numerics::Exact);
             let out = m.forward(&ids, true, true).unwrap();
             let (want, shape) = r.f32(&key("logits", kind, f32n));
             let got = to_vec(&out.logits);
@@ -118,12 +136,15 @@ fn logits_and_hidden_states_match_mlx_f32_on_every_variant() {
 
 #[test]
 fn greedy_32_steps_with_kv_cache_match_mlx() {
-    for (v, f32n) in variants() {
-        let ids = Reference::open(&v).prompt_ids();
-        for (kind, lora) in [("base", false), ("lora", true)] {
-            let mut m = load(&v, lora, CpuKernel::Exact);
-            let (_, got) = m.greedy(&ids, 32).unwrap();
-            assert_greedy_matches(&format!("{v} {kind}"), &got, &greedy_ref(&v, kind, f32n));
+    for (root, vs) in fixture_sets() {
+        for (v, f32n) in vs {
+            let ids = Reference::open_at(&root, &v).prompt_ids();
+            for (kind, lora) in [("base", false), ("lora", true)] {
+                let mut m = load_at(&root, &v, lora, Numerics::Exact);
+                let (_, got) = m.greedy(&ids, 32).unwrap();
+                let want = greedy_ref_at(&root, &v, kind, f32n);
+                assert_greedy_matches(&format!("{} {v} {kind}", root.display()), &got, &want);
+            }
         }
     }
 }
@@ -132,7 +153,7 @@ fn greedy_32_steps_with_kv_cache_match_mlx() {
 fn token_by_token_decode_equals_full_forward() {
     let v = "q4g64";
     let ids = Reference::open(v).prompt_ids();
-    let mut m = load(v, true, CpuKernel::Exact);
+    let mut m = load(v, true, Numerics::Exact);
     let (_, gen) = m.greedy(&ids, 12).unwrap();
     let all: Vec<u32> = ids.iter().chain(&gen).copied().collect();
     m.reset();
@@ -250,7 +271,7 @@ fn cpu_attention_equals_candle_op_attention() {
     let v = "q4g64_tied";
     let ids = Reference::open(v).prompt_ids();
     let run = |reference: bool| {
-        let mut m = load(v, true, CpuKernel::Exact);
+        let mut m = load(v, true, Numerics::Exact);
         m.use_reference_attention(reference);
         let mut out = to_vec(&m.forward(&ids[..10], true, false).unwrap().logits);
         out.extend(to_vec(&m.forward(&ids[10..], true, false).unwrap().logits));
@@ -275,7 +296,7 @@ fn fast_kernel_matches_mlx_on_4bit_variants() {
         let r = Reference::open(&v);
         let ids = r.prompt_ids();
         for (kind, lora) in [("base", false), ("lora", true)] {
-            let mut m = load(&v, lora, CpuKernel::Fast);
+            let mut m = load(&v, lora, Numerics::Fast);
             let got = to_vec(&m.forward(&ids, true, false).unwrap().logits);
             let d = max_abs_diff(&got, &r.f32(&key("logits", kind, f32n)).0);
             assert!(d <= 2e-2, "{v} {kind} fast: logits differ by {d}");
@@ -307,7 +328,7 @@ fn repack_route_stays_close_to_mlx_on_4bit_variants() {
         for (kind, lora) in [("base", false), ("lora", true)] {
             let adapter = fixtures().join("adapter");
             let opts = ModelOptions {
-                kernel: CpuKernel::Exact,
+                kernel: Numerics::Exact,
                 device: test_device(),
                 route: bot::engine::QMatmulRoute::Repack,
                 ..ModelOptions::default()
@@ -379,7 +400,7 @@ fn sharded_model_equals_single_file() {
         ..ModelOptions::default()
     };
     let mut sharded = engine::load(tmp.path(), None, &opts).unwrap();
-    let mut single = load(v, false, CpuKernel::Exact);
+    let mut single = load(v, false, Numerics::Exact);
     let a = to_vec(&sharded.forward(&ids, true, false).unwrap().logits);
     let b = to_vec(&single.forward(&ids, true, false).unwrap().logits);
     assert_eq!(a, b);
@@ -395,22 +416,29 @@ fn fused_cuda_step_equals_candle_ops() {
     use bot::engine::device::{select, DeviceKind};
     use bot::engine::CudaStep;
     let dev = select(DeviceKind::Cuda).expect("a `cuda` build's tests need a GPU");
-    let adapter = fixtures().join("adapter");
     let rel = |a: &[f32], b: &[f32]| {
         let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
         a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
     };
     let mut worst = [0f32; 2];
-    for v in [
+    // the tiny set (head_dim 32) and the head_dim-128 set, the attention kernels production runs
+    let tiny = [
         "q4g64",
         "q4g64_tied",
         "q4g32",
         "q8g64",
         "q3g64",
         "q4g64_f32",
-    ] {
+    ];
+    let cases = tiny.iter().map(|v| (fixtures(), *v)).chain(
+        ["q4g64", "q4g64_f32"]
+            .iter()
+            .map(|v| (fixtures_hd128(), *v)),
+    );
+    for (root, v) in cases {
+        let adapter = root.join("adapter");
         for lora in [false, true] {
-            for (ki, kernel) in [CpuKernel::Exact, CpuKernel::Fast].into_iter().enumerate() {
+            for (ki, kernel) in [Numerics::Exact, Numerics::Fast].into_iter().enumerate() {
                 let tol = [1e-4, 2e-3][ki];
                 let mk = |step| {
                     let opts = ModelOptions {
@@ -419,20 +447,15 @@ fn fused_cuda_step_equals_candle_ops() {
                         cuda_step: step,
                         ..ModelOptions::default()
                     };
-                    engine::load(
-                        &fixtures().join(v),
-                        lora.then_some(adapter.as_path()),
-                        &opts,
-                    )
-                    .unwrap()
+                    engine::load(&root.join(v), lora.then_some(adapter.as_path()), &opts).unwrap()
                 };
                 let (mut ops, mut eager, mut graph) =
                     (mk(CudaStep::Ops), mk(CudaStep::Eager), mk(CudaStep::Graph));
                 assert!(
                     !ops.uses_fused_step() && eager.uses_fused_step() && graph.uses_fused_step()
                 );
-                let label = format!("{v} lora={lora} {kernel:?}");
-                let ids = Reference::open(v).prompt_ids();
+                let label = format!("{} {v} lora={lora} {kernel:?}", root.display());
+                let ids = Reference::open_at(&root, v).prompt_ids();
                 let a = ops.forward(&ids, true, true).unwrap();
                 let b = eager.forward(&ids, true, true).unwrap();
                 let c = graph.forward(&ids, true, false).unwrap();
@@ -497,7 +520,7 @@ fn fused_cuda_sampler_draws_what_the_reference_draws() {
     let mk = |step| {
         let opts = ModelOptions {
             device: dev.clone(),
-            kernel: CpuKernel::Fast,
+            kernel: Numerics::Fast,
             cuda_step: step,
             ..ModelOptions::default()
         };

@@ -7,8 +7,8 @@ use assert_cmd::Command;
 use proptest::prelude::*;
 use serde_json::Value;
 
+use bot::engine::cpu::sample::CpuSampler;
 use bot::engine::sample::{reference_kept, Draw, SamplerParams};
-use bot::engine::sample_cpu::CpuSampler;
 use bot::generate::chat::{self, ChatTokenizer};
 use bot::generate::postprocess::{
     clean_post, grapheme_count, is_emoji_cluster, MAX_BYTES, MAX_GRAPHEMES,
