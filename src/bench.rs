@@ -8,7 +8,6 @@ use anyhow::Context;
 use serde::Serialize;
 
 use crate::cli::BenchArgs;
-use crate::debug::init_threads;
 use crate::engine::sample::{recent_distinct, Draw, SampleStep, SamplerParams};
 use crate::engine::{self, device, profile, synthetic, Numerics, Qwen3};
 
@@ -69,7 +68,7 @@ pub fn peak_rss_bytes() -> u64 {
 }
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
-    init_threads(args.threads)?;
+    crate::commands::init_threads(args.threads)?;
     if let (Some(shape), Some(dir)) = (args.synthetic, &args.save) {
         let t = Instant::now();
         synthetic::save(shape, args.seed, dir, args.tokenizer_dir.as_deref())?;

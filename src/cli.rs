@@ -10,6 +10,12 @@ use candle_core::Device;
 
 use crate::engine::{CudaStep, ModelOptions, Numerics, QMatmulRoute};
 
+/// A command-line value the program refuses (clap checks the syntax; this, the meaning):
+/// exit code 2, like clap's own errors.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct BadArgument(pub String);
+
 #[derive(Debug, Parser)]
 #[command(
     name = "bot",

@@ -2,19 +2,20 @@
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use anyhow::Context;
 use clap::ValueEnum;
 
-use crate::cli::{GenerateArgs, ModelArgs, SamplingArgs};
-use crate::debug::init_threads;
+use crate::bluesky::record;
+use crate::cli::{BadArgument, GenerateArgs, ModelArgs, SamplingArgs};
 use crate::engine::device::{self, DeviceKind};
 use crate::engine::sample::SamplerParams;
 use crate::engine::Numerics;
 use crate::generate::{self, Event, Generator, Post, PostRequest};
 use crate::hub::{self, HubEnv, Kind};
 use crate::settings::{Overrides, Settings};
+use crate::store::Store;
 
 /// The process environment as the settings layer sees it.
 pub fn process_env(name: &str) -> Option<String> {
@@ -187,7 +188,7 @@ pub fn generate(
             report_post(&post, i, args.count);
         }
         if let Some(store) = &store {
-            let id = crate::queue::save_draft(store, &post, &settings)?;
+            let id = save_draft(store, &post, &settings)?;
             if verbose {
                 eprintln!("saved as draft {id}");
             }
@@ -212,4 +213,33 @@ pub fn config_show(config: Option<&Path>, profile: Option<&str>) -> anyhow::Resu
     let pw = process_env("BOT_BSKY_APP_PASSWORD").is_some_and(|s| !s.is_empty());
     print!("{}", settings.render(pw));
     Ok(())
+}
+
+/// Sizes the global worker pool once; later calls keep the first size. A count past
+/// `settings::MAX_THREADS` is refused (each is an OS thread; 100000 would hang the start).
+pub fn init_threads(threads: Option<usize>) -> Result<(), BadArgument> {
+    if let Some(n) = threads {
+        if !(1..=crate::settings::MAX_THREADS).contains(&n) {
+            return Err(BadArgument(format!(
+                "--threads {n}: expected 1 to {}",
+                crate::settings::MAX_THREADS
+            )));
+        }
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global();
+    }
+    Ok(())
+}
+
+pub fn save_draft(store: &Store, p: &Post, settings: &Settings) -> anyhow::Result<i64> {
+    Ok(store.add_draft(
+        &p.text,
+        Some(&p.raw),
+        Some(&p.prompt),
+        Some(p.seed as i64),
+        Some(&settings.model.value),
+        settings.adapter.value.as_deref(),
+        &record::timestamp(SystemTime::now()),
+    )?)
 }

@@ -7,6 +7,7 @@ use anyhow::Context;
 use serde::Serialize;
 
 use crate::cli::ForwardArgs;
+use crate::commands;
 use crate::engine::{self, Numerics};
 
 #[derive(Serialize)]
@@ -15,25 +16,8 @@ struct ForwardReport {
     greedy_ids: Vec<u32>,
 }
 
-/// Sizes the global worker pool once; later calls keep the first size. A count past
-/// `settings::MAX_THREADS` is refused (each is an OS thread; 100000 would hang the start).
-pub fn init_threads(threads: Option<usize>) -> Result<(), crate::exit::BadArgument> {
-    if let Some(n) = threads {
-        if !(1..=crate::settings::MAX_THREADS).contains(&n) {
-            return Err(crate::exit::BadArgument(format!(
-                "--threads {n}: expected 1 to {}",
-                crate::settings::MAX_THREADS
-            )));
-        }
-        let _ = rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global();
-    }
-    Ok(())
-}
-
 pub fn forward(args: &ForwardArgs) -> anyhow::Result<()> {
-    init_threads(args.threads)?;
+    commands::init_threads(args.threads)?;
     let opts = args
         .engine
         .options(crate::engine::device::select(args.device)?, Numerics::Exact);

@@ -2,6 +2,7 @@
 
 use crate::bluesky::xrpc::XrpcError;
 use crate::bluesky::BlueskyError;
+use crate::cli::BadArgument;
 use crate::generate::GenerateError;
 use crate::hub::HubError;
 use crate::settings::SettingsError;
@@ -23,11 +24,6 @@ pub const NETWORK: i32 = 6;
 pub const REFUSED: i32 = 7;
 /// Another scheduled run of the same profile holds the lock.
 pub const LOCKED: i32 = 8;
-
-/// A command-line value the program refuses (clap checks the syntax; this, the meaning).
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct BadArgument(pub String);
 
 /// The code for an error: the first typed error in its chain decides.
 pub fn code(e: &anyhow::Error) -> i32 {

@@ -173,14 +173,14 @@ impl Guard {
             None => None,
         };
         if !(g.max_similarity > 0.0 && g.max_similarity <= 1.0) {
-            return Err(crate::exit::BadArgument(format!(
+            return Err(crate::cli::BadArgument(format!(
                 "--max-similarity {}: expected a number in (0, 1] (1 refuses only identical posts)",
                 g.max_similarity
             ))
             .into());
         }
         if g.copied_words == 0 {
-            return Err(crate::exit::BadArgument(
+            return Err(crate::cli::BadArgument(
                 "--copied-words 0: expected at least 1 word".into(),
             )
             .into());

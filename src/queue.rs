@@ -3,26 +3,13 @@
 
 use std::io::{BufRead, Write};
 use std::path::Path;
-use std::time::SystemTime;
 
 use crate::bluesky::record;
 use crate::cli::{DraftArgs, ReviewArgs};
 use crate::commands::{self, load_settings, overrides};
-use crate::generate::{Generator, Post};
+use crate::generate::Generator;
 use crate::settings::{Overrides, Settings};
 use crate::store::{DraftStatus, Store};
-
-pub fn save_draft(store: &Store, p: &Post, settings: &Settings) -> anyhow::Result<i64> {
-    Ok(store.add_draft(
-        &p.text,
-        Some(&p.raw),
-        Some(&p.prompt),
-        Some(p.seed as i64),
-        Some(&settings.model.value),
-        settings.adapter.value.as_deref(),
-        &record::timestamp(SystemTime::now()),
-    )?)
-}
 
 fn write_drafts(
     settings: &Settings,
@@ -42,7 +29,7 @@ fn write_drafts(
         let p = generator.post(&req, &mut |e| progress.event("draft", &e));
         progress.finish();
         let p = p?;
-        ids.push(save_draft(&store, &p, settings)?);
+        ids.push(commands::save_draft(&store, &p, settings)?);
     }
     Ok(ids)
 }

@@ -9,9 +9,9 @@ use std::time::{Duration, SystemTime};
 
 use serde_json::json;
 
+use crate::cli::BadArgument;
 use crate::cli::{RunArgs, RunMode, ScheduleSpec, ScheduleTarget};
 use crate::commands::{self, load_settings};
-use crate::exit::BadArgument;
 use crate::posting::{self, Guard};
 use crate::settings::{Overrides, Settings};
 
@@ -204,7 +204,7 @@ fn auto(
         &mut |_| {},
     )?;
     posting::with_account(settings, |client, creds, store| {
-        let id = crate::queue::save_draft(store, &post, settings)?;
+        let id = commands::save_draft(store, &post, settings)?;
         store.set_draft_status(id, crate::store::DraftStatus::Approved)?;
         let (_, p) = posting::publish(
             client,
