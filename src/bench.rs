@@ -293,7 +293,7 @@ impl Decoder {
 pub fn parse_sampler(spec: &str) -> anyhow::Result<SamplerParams> {
     let p = match spec.trim() {
         "greedy" => SamplerParams::greedy(),
-        "default" => SamplerParams::default(),
+        "default" => crate::settings::default_sampler(),
         s => {
             let mut p = SamplerParams {
                 top_p: 1.0,

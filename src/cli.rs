@@ -80,8 +80,7 @@ pub enum ConfigCommand {
 /// Model and run-time choices shared by the commands that load a model.
 #[derive(Debug, Args, Clone, Default)]
 pub struct ModelArgs {
-    /// mlx_lm model directory or Hugging Face repo id [default: lmstudio-community/Qwen3-8B-MLX-4bit]
-    #[arg(long)]
+    #[arg(long, help = concat!("mlx_lm model directory or Hugging Face repo id [default: ", crate::setting_default!(model), "]"))]
     pub model: Option<String>,
     /// mlx_lm LoRA adapter directory or Hugging Face repo id [default: DATA_DIR/adapter if present]
     #[arg(long)]
@@ -89,8 +88,7 @@ pub struct ModelArgs {
     /// Run the base model even when an adapter is configured
     #[arg(long, conflicts_with = "adapter")]
     pub no_adapter: bool,
-    /// auto, cpu, cuda or metal [default: auto]
-    #[arg(long)]
+    #[arg(long, help = concat!("auto, cpu, cuda or metal [default: ", crate::setting_default!(device), "]"))]
     pub device: Option<String>,
     /// Worker threads (default: all cores)
     #[arg(long)]
@@ -137,17 +135,13 @@ pub struct SamplingArgs {
     /// A system turn before the instruction
     #[arg(long)]
     pub system: Option<String>,
-    /// 0 is greedy [default: 0.95]
-    #[arg(long)]
+    #[arg(long, help = concat!("0 is greedy [default: ", crate::setting_default!(temperature), "]"))]
     pub temperature: Option<f32>,
-    /// Nucleus sampling; 0 or 1 turns it off [default: 0.9]
-    #[arg(long)]
+    #[arg(long, help = concat!("Nucleus sampling; 0 or 1 turns it off [default: ", crate::setting_default!(top_p), "]"))]
     pub top_p: Option<f32>,
-    /// [default: 0, off]
-    #[arg(long)]
+    #[arg(long, help = concat!("[default: ", crate::setting_default!(min_p), ", off]"))]
     pub min_p: Option<f32>,
-    /// [default: 0, off]
-    #[arg(long)]
+    #[arg(long, help = concat!("[default: ", crate::setting_default!(top_k), ", off]"))]
     pub top_k: Option<usize>,
     /// mlx_lm's repetition penalty over the last 20 tokens [default: off]
     #[arg(long)]
@@ -155,14 +149,11 @@ pub struct SamplingArgs {
     /// Seed of the first post (post i uses SEED+i); default: random, printed with --json
     #[arg(long)]
     pub seed: Option<u64>,
-    /// [default: 280]
-    #[arg(long)]
+    #[arg(long, help = concat!("Tokens a post may take [default: ", crate::setting_default!(max_tokens), "]"))]
     pub max_tokens: Option<usize>,
-    /// Outputs shorter than this (grapheme clusters, after cleaning) are regenerated [default: 30]
-    #[arg(long)]
+    #[arg(long, help = concat!("Outputs shorter than this (grapheme clusters, after cleaning) are regenerated [default: ", crate::setting_default!(min_chars), "]"))]
     pub min_chars: Option<usize>,
-    /// Generations per post before giving up [default: 5]
-    #[arg(long)]
+    #[arg(long, help = concat!("Generations per post before giving up [default: ", crate::setting_default!(attempts), "]"))]
     pub attempts: Option<usize>,
 }
 
@@ -193,8 +184,7 @@ pub struct GenerateArgs {
 /// password_file, or a prompt on a terminal: never from the command line).
 #[derive(Debug, Args, Clone, Default)]
 pub struct AccountArgs {
-    /// Login host [default: https://bsky.social] (also BOT_BSKY_SERVICE)
-    #[arg(long)]
+    #[arg(long, help = concat!("Login host [default: ", crate::setting_default!(service), "] (also BOT_BSKY_SERVICE)"))]
     pub service: Option<String>,
     /// Account handle, e.g. alice.bsky.social (also BOT_BSKY_HANDLE)
     #[arg(long)]

@@ -23,23 +23,21 @@ pub fn process_env(name: &str) -> Option<String> {
 }
 
 pub fn overrides(m: &ModelArgs, s: &SamplingArgs) -> Overrides {
-    Overrides {
-        model: m.model.clone(),
-        adapter: m.adapter.clone(),
-        prompts: s.prompts.clone(),
-        system: s.system.clone(),
-        temperature: s.temperature,
-        top_p: s.top_p,
-        min_p: s.min_p,
-        top_k: s.top_k,
-        repetition_penalty: s.repetition_penalty,
-        max_tokens: s.max_tokens,
-        min_chars: s.min_chars,
-        attempts: s.attempts,
-        device: m.device.clone(),
-        threads: m.threads,
-        ..Overrides::default()
-    }
+    Overrides::default()
+        .with("model", m.model.as_ref())
+        .with("adapter", m.adapter.as_ref())
+        .with("prompts", s.prompts.as_ref().map(|p| p.display()))
+        .with("system", s.system.as_ref())
+        .with("temperature", s.temperature)
+        .with("top_p", s.top_p)
+        .with("min_p", s.min_p)
+        .with("top_k", s.top_k)
+        .with("repetition_penalty", s.repetition_penalty)
+        .with("max_tokens", s.max_tokens)
+        .with("min_chars", s.min_chars)
+        .with("attempts", s.attempts)
+        .with("device", m.device.as_ref())
+        .with("threads", m.threads)
 }
 
 pub fn load_settings(

@@ -32,11 +32,8 @@ pub fn settings_for(
     load_settings(
         config,
         profile,
-        &Overrides {
-            service: a.service.clone(),
-            handle: a.handle.clone(),
-            ..o
-        },
+        &o.with("bluesky.service", a.service.as_ref())
+            .with("bluesky.handle", a.handle.as_ref()),
     )
 }
 

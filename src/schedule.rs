@@ -280,12 +280,12 @@ impl Job {
 }
 
 /// Environment variables a scheduled run needs to see the settings this shell has: every
-/// non-secret `BOT_*` setting (`settings::ENV_SETTINGS`), the Hugging Face cache and endpoint,
+/// non-secret `BOT_*` setting (`settings::SETTINGS`), the Hugging Face cache and endpoint,
 /// and PATH. The app password and HF_TOKEN are secrets and never go into a schedule.
 fn schedule_env(env: &dyn Fn(&str) -> Option<String>) -> Vec<(String, String)> {
     let names = ["BOT_HOME", "BOT_CONFIG"]
         .into_iter()
-        .chain(crate::settings::ENV_SETTINGS.iter().copied())
+        .chain(crate::settings::env_settings())
         .chain([
             "HF_HOME",
             "HF_HUB_CACHE",

@@ -8,14 +8,12 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
-use serde::Deserialize;
-
-pub const DEFAULT_MODEL: &str = "lmstudio-community/Qwen3-8B-MLX-4bit";
+pub const DEFAULT_MODEL: &str = crate::setting_default!(model);
 /// More worker threads than this is a typo (each is a real OS thread).
 pub const MAX_THREADS: usize = 1024;
 /// Longest post generation asked for (a post is at most 300 graphemes).
 pub const MAX_NEW_TOKENS: usize = 8192;
-pub const DEFAULT_SERVICE: &str = "https://bsky.social";
+pub const DEFAULT_SERVICE: &str = crate::setting_default!(service);
 
 #[derive(Debug, thiserror::Error)]
 pub enum SettingsError {
@@ -41,27 +39,185 @@ pub enum SettingsError {
     Missing(String),
 }
 
-/// The `BOT_*` variables that carry settings (not secrets): what a schedule passes on.
-pub const ENV_SETTINGS: &[&str] = &[
-    "BOT_MODEL",
-    "BOT_ADAPTER",
-    "BOT_PROMPTS",
-    "BOT_SYSTEM",
-    "BOT_TEMPERATURE",
-    "BOT_TOP_P",
-    "BOT_MIN_P",
-    "BOT_TOP_K",
-    "BOT_REPETITION_PENALTY",
-    "BOT_MAX_TOKENS",
-    "BOT_MIN_CHARS",
-    "BOT_ATTEMPTS",
-    "BOT_DEVICE",
-    "BOT_THREADS",
-    "BOT_BSKY_SERVICE",
-    "BOT_BSKY_HANDLE",
-    "BOT_BSKY_PASSWORD_FILE",
-    "BOT_LANGS",
+/// How `config show` prints a value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Show {
+    /// A string or path, quoted.
+    Quoted,
+    /// A number.
+    Plain,
+    /// A comma-separated list, printed as a list.
+    List,
+}
+
+/// One setting, declared once: its config-file key (`bluesky.*` sits in the `[bluesky]` table),
+/// its environment variable, its default as text (`None`: unset unless given), how `config
+/// show` prints it and what it prints when unset. Flags, the file's keys, the environment a
+/// schedule carries and `config show` all follow this table.
+#[derive(Debug)]
+pub struct Decl {
+    pub key: &'static str,
+    pub env: &'static str,
+    pub default: Option<&'static str>,
+    pub show: Show,
+    pub unset: &'static str,
+}
+
+/// A setting's default as a literal, for this table and for the flags' help (`cli.rs`).
+#[macro_export]
+macro_rules! setting_default {
+    (temperature) => {
+        "0.95"
+    };
+    (top_p) => {
+        "0.9"
+    };
+    (min_p) => {
+        "0"
+    };
+    (top_k) => {
+        "0"
+    };
+    (max_tokens) => {
+        "280"
+    };
+    (min_chars) => {
+        "30"
+    };
+    (attempts) => {
+        "5"
+    };
+    (device) => {
+        "auto"
+    };
+    (model) => {
+        "lmstudio-community/Qwen3-8B-MLX-4bit"
+    };
+    (service) => {
+        "https://bsky.social"
+    };
+    (langs) => {
+        "en"
+    };
+}
+
+const fn d(
+    key: &'static str,
+    env: &'static str,
+    default: Option<&'static str>,
+    show: Show,
+) -> Decl {
+    Decl {
+        key,
+        env,
+        default,
+        show,
+        unset: "(none)",
+    }
+}
+
+/// Every setting, in `config show`'s order.
+pub const SETTINGS: &[Decl] = &[
+    d(
+        "model",
+        "BOT_MODEL",
+        Some(crate::setting_default!(model)),
+        Show::Quoted,
+    ),
+    d("adapter", "BOT_ADAPTER", None, Show::Quoted),
+    d("prompts", "BOT_PROMPTS", None, Show::Quoted),
+    d("system", "BOT_SYSTEM", None, Show::Quoted),
+    d(
+        "temperature",
+        "BOT_TEMPERATURE",
+        Some(crate::setting_default!(temperature)),
+        Show::Plain,
+    ),
+    d(
+        "top_p",
+        "BOT_TOP_P",
+        Some(crate::setting_default!(top_p)),
+        Show::Plain,
+    ),
+    d(
+        "min_p",
+        "BOT_MIN_P",
+        Some(crate::setting_default!(min_p)),
+        Show::Plain,
+    ),
+    d(
+        "top_k",
+        "BOT_TOP_K",
+        Some(crate::setting_default!(top_k)),
+        Show::Plain,
+    ),
+    d(
+        "repetition_penalty",
+        "BOT_REPETITION_PENALTY",
+        None,
+        Show::Plain,
+    ),
+    d(
+        "max_tokens",
+        "BOT_MAX_TOKENS",
+        Some(crate::setting_default!(max_tokens)),
+        Show::Plain,
+    ),
+    d(
+        "min_chars",
+        "BOT_MIN_CHARS",
+        Some(crate::setting_default!(min_chars)),
+        Show::Plain,
+    ),
+    d(
+        "attempts",
+        "BOT_ATTEMPTS",
+        Some(crate::setting_default!(attempts)),
+        Show::Plain,
+    ),
+    d(
+        "device",
+        "BOT_DEVICE",
+        Some(crate::setting_default!(device)),
+        Show::Quoted,
+    ),
+    Decl {
+        unset: "(all cores)",
+        ..d("threads", "BOT_THREADS", None, Show::Plain)
+    },
+    d(
+        "bluesky.service",
+        "BOT_BSKY_SERVICE",
+        Some(crate::setting_default!(service)),
+        Show::Quoted,
+    ),
+    d("bluesky.handle", "BOT_BSKY_HANDLE", None, Show::Quoted),
+    d(
+        "bluesky.langs",
+        "BOT_LANGS",
+        Some(crate::setting_default!(langs)),
+        Show::List,
+    ),
+    d(
+        "bluesky.password_file",
+        "BOT_BSKY_PASSWORD_FILE",
+        None,
+        Show::Quoted,
+    ),
 ];
+
+/// The declaration of `key` (a key not in the table is a bug of this file).
+fn decl(key: &str) -> &'static Decl {
+    match SETTINGS.iter().find(|d| d.key == key) {
+        Some(d) => d,
+        None => panic!("setting `{key}` is not declared in SETTINGS"),
+    }
+}
+
+/// The `BOT_*` variables that carry settings (not secrets): what a schedule passes on.
+pub fn env_settings() -> impl Iterator<Item = &'static str> {
+    SETTINGS.iter().map(|d| d.env)
+}
 
 /// Where a value came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,73 +245,79 @@ pub struct Sourced<T> {
     pub source: Source,
 }
 
-/// The config file. Unknown keys are errors so that a typo does not silently do nothing.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// The config file: each declared key's value as text (strings as they are, numbers and lists
+/// of strings written out), with `[profiles.NAME]` tables kept apart. Unknown keys are errors
+/// so that a typo does not silently do nothing.
+#[derive(Debug, Clone, Default)]
 pub struct FileConfig {
-    pub model: Option<String>,
-    pub adapter: Option<String>,
-    pub prompts: Option<PathBuf>,
-    pub system: Option<String>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub min_p: Option<f32>,
-    pub top_k: Option<usize>,
-    pub repetition_penalty: Option<f32>,
-    pub max_tokens: Option<usize>,
-    pub min_chars: Option<usize>,
-    pub attempts: Option<usize>,
-    pub device: Option<String>,
-    pub threads: Option<usize>,
-    pub bluesky: Option<BlueskyFile>,
-    /// `[profiles.NAME]`: a named bot overriding any of the keys above.
-    #[serde(default)]
-    pub profiles: BTreeMap<String, FileConfig>,
-}
-
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct BlueskyFile {
-    pub service: Option<String>,
-    pub handle: Option<String>,
-    /// A file holding the app password (should be mode 0600).
-    pub password_file: Option<PathBuf>,
-    pub langs: Option<Vec<String>>,
+    values: BTreeMap<&'static str, String>,
+    profiles: BTreeMap<String, FileConfig>,
 }
 
 impl FileConfig {
     pub fn parse(path: &Path, text: &str) -> Result<Self, SettingsError> {
-        toml::from_str(text).map_err(|e| SettingsError::Parse {
+        let err = |why: String| SettingsError::Parse {
             path: path.to_path_buf(),
-            why: e.to_string(),
+            why,
+        };
+        let table: toml::Table = toml::from_str(text).map_err(|e| err(e.to_string()))?;
+        Self::from_table(&table, "").map_err(err)
+    }
+
+    /// The keys of `table`, which sits at `prefix` (`""`, or `"bluesky."`).
+    fn from_table(table: &toml::Table, prefix: &str) -> Result<Self, String> {
+        let mut c = FileConfig::default();
+        for (k, v) in table {
+            let key = format!("{prefix}{k}");
+            match (key.as_str(), v) {
+                ("bluesky", toml::Value::Table(t)) => {
+                    c.values.extend(Self::from_table(t, "bluesky.")?.values)
+                }
+                ("profiles", toml::Value::Table(t)) => {
+                    for (name, p) in t {
+                        let toml::Value::Table(p) = p else {
+                            return Err(format!("[profiles.{name}] must be a table"));
+                        };
+                        c.profiles.insert(name.clone(), Self::from_table(p, "")?);
+                    }
+                }
+                _ => {
+                    let Some(d) = SETTINGS.iter().find(|d| d.key == key) else {
+                        let known: Vec<&str> = SETTINGS.iter().map(|d| d.key).collect();
+                        return Err(format!(
+                            "unknown key `{key}`, expected one of {}",
+                            known.join(", ")
+                        ));
+                    };
+                    c.values.insert(d.key, Self::text(&key, v)?);
+                }
+            }
+        }
+        Ok(c)
+    }
+
+    fn text(key: &str, v: &toml::Value) -> Result<String, String> {
+        Ok(match v {
+            toml::Value::String(s) => s.clone(),
+            toml::Value::Integer(i) => i.to_string(),
+            toml::Value::Float(f) => f.to_string(),
+            toml::Value::Boolean(b) => b.to_string(),
+            toml::Value::Array(a) => a
+                .iter()
+                .map(|x| x.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| format!("`{key}`: expected a list of strings"))?
+                .join(","),
+            _ => return Err(format!("`{key}`: expected a string, a number or a list")),
         })
     }
 
     /// `self` with the profile's keys laid over it.
     fn with_profile(&self, p: &FileConfig) -> FileConfig {
-        let b = self.bluesky.clone().unwrap_or_default();
-        let pb = p.bluesky.clone().unwrap_or_default();
+        let mut values = self.values.clone();
+        values.extend(p.values.clone());
         FileConfig {
-            model: p.model.clone().or(self.model.clone()),
-            adapter: p.adapter.clone().or(self.adapter.clone()),
-            prompts: p.prompts.clone().or(self.prompts.clone()),
-            system: p.system.clone().or(self.system.clone()),
-            temperature: p.temperature.or(self.temperature),
-            top_p: p.top_p.or(self.top_p),
-            min_p: p.min_p.or(self.min_p),
-            top_k: p.top_k.or(self.top_k),
-            repetition_penalty: p.repetition_penalty.or(self.repetition_penalty),
-            max_tokens: p.max_tokens.or(self.max_tokens),
-            min_chars: p.min_chars.or(self.min_chars),
-            attempts: p.attempts.or(self.attempts),
-            device: p.device.clone().or(self.device.clone()),
-            threads: p.threads.or(self.threads),
-            bluesky: Some(BlueskyFile {
-                service: pb.service.or(b.service),
-                handle: pb.handle.or(b.handle),
-                password_file: pb.password_file.or(b.password_file),
-                langs: pb.langs.or(b.langs),
-            }),
+            values,
             profiles: BTreeMap::new(),
         }
     }
@@ -199,25 +361,18 @@ impl Paths {
     }
 }
 
-/// Values given on the command line (None = not given).
+/// Values given on the command line, by setting key, as text.
 #[derive(Debug, Clone, Default)]
-pub struct Overrides {
-    pub model: Option<String>,
-    pub adapter: Option<String>,
-    pub prompts: Option<PathBuf>,
-    pub system: Option<String>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub min_p: Option<f32>,
-    pub top_k: Option<usize>,
-    pub repetition_penalty: Option<f32>,
-    pub max_tokens: Option<usize>,
-    pub min_chars: Option<usize>,
-    pub attempts: Option<usize>,
-    pub device: Option<String>,
-    pub threads: Option<usize>,
-    pub service: Option<String>,
-    pub handle: Option<String>,
+pub struct Overrides(BTreeMap<&'static str, String>);
+
+impl Overrides {
+    /// `key` given as `value` (None: not given).
+    pub fn with<T: ToString>(mut self, key: &'static str, value: Option<T>) -> Self {
+        if let Some(v) = value {
+            self.0.insert(decl(key).key, v.to_string());
+        }
+        self
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -244,77 +399,103 @@ pub struct Settings {
     pub handle: Sourced<Option<String>>,
     pub password_file: Sourced<Option<PathBuf>>,
     pub langs: Sourced<Vec<String>>,
+    /// Each setting's text and source as `config show` prints it.
+    shown: BTreeMap<&'static str, Sourced<Option<String>>>,
 }
 
-/// One layer lookup: flag, then env, then file, then default.
+/// One layer lookup: flag, then env, then file, then default; what was found is also kept
+/// as text for `config show`.
 struct Layers<'a> {
+    flags: &'a Overrides,
     env: &'a dyn Fn(&str) -> Option<String>,
+    file: &'a FileConfig,
     file_path: PathBuf,
+    shown: BTreeMap<&'static str, Sourced<Option<String>>>,
 }
 
 impl Layers<'_> {
-    fn pick<T: FromStr + Clone>(
-        &self,
-        field: &str,
-        flag: Option<T>,
-        env: &'static str,
-        file: Option<T>,
-        default: T,
-    ) -> Result<Sourced<T>, SettingsError>
-    where
-        T::Err: fmt::Display,
-    {
-        Ok(self.pick_opt(field, flag, env, file)?.unwrap_or(Sourced {
-            value: default,
-            source: Source::Default,
-        }))
+    /// The raw text of `key` and where it came from; None when no layer (default included) has it.
+    fn raw(&self, d: &'static Decl) -> Option<(String, Source)> {
+        if let Some(v) = self.flags.0.get(d.key) {
+            return Some((v.clone(), Source::Flag));
+        }
+        if let Some(v) = (self.env)(d.env).filter(|s| !s.is_empty()) {
+            return Some((v, Source::Env(d.env)));
+        }
+        if let Some(v) = self.file.values.get(d.key) {
+            return Some((v.clone(), Source::File(self.file_path.clone())));
+        }
+        d.default.map(|v| (v.to_string(), Source::Default))
     }
 
-    fn pick_opt<T: FromStr + Clone>(
-        &self,
-        field: &str,
-        flag: Option<T>,
-        env: &'static str,
-        file: Option<T>,
-    ) -> Result<Option<Sourced<T>>, SettingsError>
+    fn get_opt<T: FromStr>(&mut self, key: &str) -> Result<Sourced<Option<T>>, SettingsError>
     where
         T::Err: fmt::Display,
     {
-        if let Some(v) = flag {
-            return Ok(Some(Sourced {
-                value: v,
-                source: Source::Flag,
-            }));
+        let d = decl(key);
+        let Some((raw, source)) = self.raw(d) else {
+            self.shown.insert(
+                d.key,
+                Sourced {
+                    value: None,
+                    source: Source::Default,
+                },
+            );
+            return Ok(Sourced {
+                value: None,
+                source: Source::Default,
+            });
+        };
+        let value = raw.trim().parse::<T>().map_err(|e| SettingsError::Value {
+            origin: match &source {
+                Source::Env(name) => format!("environment variable {name}"),
+                other => other.to_string(),
+            },
+            field: d.key.into(),
+            value: raw.clone(),
+            why: e.to_string(),
+        })?;
+        self.shown.insert(
+            d.key,
+            Sourced {
+                value: Some(raw),
+                source: source.clone(),
+            },
+        );
+        Ok(Sourced {
+            value: Some(value),
+            source,
+        })
+    }
+
+    /// A setting with a default: always has a value.
+    fn get<T: FromStr>(&mut self, key: &str) -> Result<Sourced<T>, SettingsError>
+    where
+        T::Err: fmt::Display,
+    {
+        let s = self.get_opt(key)?;
+        match s.value {
+            Some(value) => Ok(Sourced {
+                value,
+                source: s.source,
+            }),
+            None => panic!("setting `{key}` has no default in SETTINGS"),
         }
-        if let Some(raw) = (self.env)(env).filter(|s| !s.is_empty()) {
-            let v = raw.parse::<T>().map_err(|e| SettingsError::Value {
-                origin: format!("environment variable {env}"),
-                field: field.into(),
-                value: raw.clone(),
-                why: e.to_string(),
-            })?;
-            return Ok(Some(Sourced {
-                value: v,
-                source: Source::Env(env),
-            }));
-        }
-        Ok(file.map(|v| Sourced {
-            value: v,
-            source: Source::File(self.file_path.clone()),
-        }))
     }
 }
 
-fn lift<T>(s: Option<Sourced<T>>) -> Sourced<Option<T>> {
-    match s {
-        Some(s) => Sourced {
-            value: Some(s.value),
-            source: s.source,
-        },
-        None => Sourced {
-            value: None,
-            source: Source::Default,
-        },
+/// A comma-separated list (`BOT_LANGS=en,de`, or a TOML list).
+struct List(Vec<String>);
+
+impl FromStr for List {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(List(
+            s.split(',')
+                .map(|x| x.trim().to_string())
+                .filter(|x| !x.is_empty())
+                .collect(),
+        ))
     }
 }
 
@@ -385,122 +566,62 @@ impl Settings {
         o: &Overrides,
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Self, SettingsError> {
-        let l = Layers {
+        let mut l = Layers {
+            flags: o,
             env,
+            file: &f,
             file_path: paths.config_file.clone(),
+            shown: BTreeMap::new(),
         };
-        let b = f.bluesky.clone().unwrap_or_default();
-        let adapter = match l.pick_opt(
-            "adapter",
-            o.adapter.clone(),
-            "BOT_ADAPTER",
-            f.adapter.clone(),
-        )? {
-            Some(a) => Sourced {
-                value: Some(a.value),
-                source: a.source,
-            },
+        let mut adapter = l.get_opt::<String>("adapter")?;
+        if adapter.value.is_none() && paths.default_adapter.join("adapter_config.json").is_file() {
             // The conventional place, when the user put an adapter there.
-            None if paths.default_adapter.join("adapter_config.json").is_file() => Sourced {
-                value: Some(paths.default_adapter.display().to_string()),
-                source: Source::Default,
-            },
-            None => lift(None),
-        };
-        let langs = match env("BOT_LANGS").filter(|s| !s.is_empty()) {
-            Some(v) => Sourced {
-                value: v.split(',').map(|s| s.trim().to_string()).collect(),
-                source: Source::Env("BOT_LANGS"),
-            },
-            None => match b.langs.clone() {
-                Some(v) => Sourced {
-                    value: v,
-                    source: Source::File(paths.config_file.clone()),
-                },
-                None => Sourced {
-                    value: vec!["en".into()],
+            let dir = paths.default_adapter.display().to_string();
+            l.shown.insert(
+                "adapter",
+                Sourced {
+                    value: Some(dir.clone()),
                     source: Source::Default,
                 },
-            },
-        };
-        let s = Settings {
-            model: l.pick(
-                "model",
-                o.model.clone(),
-                "BOT_MODEL",
-                f.model.clone(),
-                DEFAULT_MODEL.into(),
-            )?,
+            );
+            adapter.value = Some(dir);
+        }
+        let langs = l.get::<List>("bluesky.langs")?;
+        let mut s = Settings {
+            model: l.get("model")?,
             adapter,
-            prompts: lift(l.pick_opt(
-                "prompts",
-                o.prompts.clone(),
-                "BOT_PROMPTS",
-                f.prompts.clone(),
-            )?),
-            system: lift(l.pick_opt("system", o.system.clone(), "BOT_SYSTEM", f.system.clone())?),
-            temperature: l.pick(
-                "temperature",
-                o.temperature,
-                "BOT_TEMPERATURE",
-                f.temperature,
-                0.95,
-            )?,
-            top_p: l.pick("top_p", o.top_p, "BOT_TOP_P", f.top_p, 0.9)?,
-            min_p: l.pick("min_p", o.min_p, "BOT_MIN_P", f.min_p, 0.0)?,
-            top_k: l.pick("top_k", o.top_k, "BOT_TOP_K", f.top_k, 0)?,
-            repetition_penalty: lift(l.pick_opt(
-                "repetition_penalty",
-                o.repetition_penalty,
-                "BOT_REPETITION_PENALTY",
-                f.repetition_penalty,
-            )?),
-            max_tokens: l.pick(
-                "max_tokens",
-                o.max_tokens,
-                "BOT_MAX_TOKENS",
-                f.max_tokens,
-                280,
-            )?,
-            min_chars: l.pick("min_chars", o.min_chars, "BOT_MIN_CHARS", f.min_chars, 30)?,
-            attempts: l.pick("attempts", o.attempts, "BOT_ATTEMPTS", f.attempts, 5)?,
-            device: l.pick(
-                "device",
-                o.device.clone(),
-                "BOT_DEVICE",
-                f.device.clone(),
-                "auto".into(),
-            )?,
-            threads: lift(l.pick_opt("threads", o.threads, "BOT_THREADS", f.threads)?),
-            service: l.pick(
-                "bluesky.service",
-                o.service.clone(),
-                "BOT_BSKY_SERVICE",
-                b.service.clone(),
-                DEFAULT_SERVICE.into(),
-            )?,
-            handle: lift(l.pick_opt(
-                "bluesky.handle",
-                o.handle.clone(),
-                "BOT_BSKY_HANDLE",
-                b.handle.clone(),
-            )?),
-            password_file: lift(l.pick_opt(
-                "bluesky.password_file",
-                None,
-                "BOT_BSKY_PASSWORD_FILE",
-                b.password_file.clone(),
-            )?),
-            langs,
+            prompts: l.get_opt("prompts")?,
+            system: l.get_opt("system")?,
+            temperature: l.get("temperature")?,
+            top_p: l.get("top_p")?,
+            min_p: l.get("min_p")?,
+            top_k: l.get("top_k")?,
+            repetition_penalty: l.get_opt("repetition_penalty")?,
+            max_tokens: l.get("max_tokens")?,
+            min_chars: l.get("min_chars")?,
+            attempts: l.get("attempts")?,
+            device: l.get("device")?,
+            threads: l.get_opt("threads")?,
+            service: l.get("bluesky.service")?,
+            handle: l.get_opt("bluesky.handle")?,
+            password_file: l.get_opt("bluesky.password_file")?,
+            langs: Sourced {
+                value: langs.value.0,
+                source: langs.source,
+            },
+            shown: BTreeMap::new(),
             paths,
             profile,
             config_found,
         };
-        let mut s = s;
+        s.shown = l.shown;
         s.validate()?;
         // `@alice.bsky.social`, as handles are written in posts, is the handle `alice.bsky.social`
         if let Some(h) = &mut s.handle.value {
             *h = h.trim().trim_start_matches('@').to_string();
+            if let Some(shown) = s.shown.get_mut("bluesky.handle") {
+                shown.value = Some(h.clone());
+            }
         }
         Ok(s)
     }
@@ -579,99 +700,38 @@ impl Settings {
             out.push_str(&format!("{k:<22} = {v:<48} # {src}\n"));
         };
         let q = |s: &str| format!("{s:?}");
-        let opt = |s: &Option<String>| s.as_deref().map(q).unwrap_or_else(|| "(none)".into());
-        let path_opt = |p: &Option<PathBuf>| {
-            p.as_ref()
-                .map(|p| q(&p.display().to_string()))
-                .unwrap_or_else(|| "(none)".into())
+        let found = if self.config_found {
+            ""
+        } else {
+            " (not found)"
         };
-        line(
-            "config_file",
-            format!(
-                "{}{}",
-                q(&self.paths.config_file.display().to_string()),
-                if self.config_found {
-                    ""
-                } else {
-                    " (not found)"
-                }
-            ),
-            &Source::Default,
-        );
+        let file = q(&self.paths.config_file.display().to_string());
+        line("config_file", format!("{file}{found}"), &Source::Default);
         line(
             "data_dir",
             q(&self.paths.data_dir.display().to_string()),
             &Source::Default,
         );
-        line("profile", opt(&self.profile), &Source::Default);
-        line("model", q(&self.model.value), &self.model.source);
-        line("adapter", opt(&self.adapter.value), &self.adapter.source);
+        let profile = self.profile.as_deref().map(q);
         line(
-            "prompts",
-            path_opt(&self.prompts.value),
-            &self.prompts.source,
+            "profile",
+            profile.unwrap_or_else(|| "(none)".into()),
+            &Source::Default,
         );
-        line("system", opt(&self.system.value), &self.system.source);
-        line(
-            "temperature",
-            self.temperature.value.to_string(),
-            &self.temperature.source,
-        );
-        line("top_p", self.top_p.value.to_string(), &self.top_p.source);
-        line("min_p", self.min_p.value.to_string(), &self.min_p.source);
-        line("top_k", self.top_k.value.to_string(), &self.top_k.source);
-        line(
-            "repetition_penalty",
-            self.repetition_penalty
-                .value
-                .map(|v| v.to_string())
-                .unwrap_or_else(|| "(none)".into()),
-            &self.repetition_penalty.source,
-        );
-        line(
-            "max_tokens",
-            self.max_tokens.value.to_string(),
-            &self.max_tokens.source,
-        );
-        line(
-            "min_chars",
-            self.min_chars.value.to_string(),
-            &self.min_chars.source,
-        );
-        line(
-            "attempts",
-            self.attempts.value.to_string(),
-            &self.attempts.source,
-        );
-        line("device", q(&self.device.value), &self.device.source);
-        line(
-            "threads",
-            self.threads
-                .value
-                .map(|v| v.to_string())
-                .unwrap_or_else(|| "(all cores)".into()),
-            &self.threads.source,
-        );
-        line(
-            "bluesky.service",
-            q(&self.service.value),
-            &self.service.source,
-        );
-        line(
-            "bluesky.handle",
-            opt(&self.handle.value),
-            &self.handle.source,
-        );
-        line(
-            "bluesky.langs",
-            format!("{:?}", self.langs.value),
-            &self.langs.source,
-        );
-        line(
-            "bluesky.password_file",
-            path_opt(&self.password_file.value),
-            &self.password_file.source,
-        );
+        for d in SETTINGS {
+            let Some(s) = self.shown.get(d.key) else {
+                continue;
+            };
+            let text = match (&s.value, d.show) {
+                (None, _) => d.unset.to_string(),
+                (Some(v), Show::Quoted) => q(v),
+                (Some(v), Show::Plain) => v.clone(),
+                (Some(v), Show::List) => {
+                    format!("{:?}", v.parse::<List>().map(|l| l.0).unwrap_or_default())
+                }
+            };
+            line(d.key, text, &s.source);
+        }
         let pw = if password_from_env {
             (
                 "******** (set)".to_string(),
@@ -682,6 +742,24 @@ impl Settings {
         };
         line("bluesky.app_password", pw.0, &pw.1);
         out
+    }
+}
+
+/// The user's default sampler: what `bot generate` uses with no settings given (`bot bench
+/// --sampler default` measures it).
+pub fn default_sampler() -> crate::engine::sample::SamplerParams {
+    fn get<T: FromStr + Default>(key: &str) -> T {
+        decl(key)
+            .default
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_default()
+    }
+    crate::engine::sample::SamplerParams {
+        temperature: get("temperature"),
+        top_p: get("top_p"),
+        min_p: get("min_p"),
+        top_k: get("top_k"),
+        ..crate::engine::sample::SamplerParams::greedy()
     }
 }
 
@@ -698,6 +776,36 @@ mod tests {
     }
 
     #[test]
+    fn declared_defaults_parse_and_keys_are_unique() {
+        let keys: std::collections::BTreeSet<_> = SETTINGS.iter().map(|d| d.key).collect();
+        assert_eq!(keys.len(), SETTINGS.len());
+        let dir = tempfile::tempdir().unwrap();
+        let home = dir.path().to_str().unwrap().to_string();
+        let s = Settings::load(
+            None,
+            None,
+            &Overrides::default(),
+            &env_of(&[("BOT_HOME", &home)]),
+        )
+        .unwrap();
+        let p = default_sampler();
+        assert_eq!(
+            (p.temperature, p.top_p),
+            (s.temperature.value, s.top_p.value)
+        );
+        assert_eq!((p.min_p, p.top_k), (s.min_p.value, s.top_k.value));
+        assert_eq!(p.temperature, 0.95, "the tuned bot's temperature");
+        // every declared setting is shown, in order, after config_file, data_dir and profile
+        let text = s.render(false);
+        let shown: Vec<&str> = text
+            .lines()
+            .map(|l| l.split_whitespace().next().unwrap())
+            .collect();
+        let declared: Vec<&str> = SETTINGS.iter().map(|d| d.key).collect();
+        assert_eq!(shown[3..3 + declared.len()], declared[..]);
+    }
+
+    #[test]
     fn precedence_flag_env_file_default() {
         let dir = tempfile::tempdir().unwrap();
         let home = dir.path().to_str().unwrap().to_string();
@@ -711,10 +819,7 @@ mod tests {
             ("BOT_TOP_P", "0.8"),
             ("BOT_MODEL", "env/model"),
         ]);
-        let o = Overrides {
-            model: Some("flag/model".into()),
-            ..Overrides::default()
-        };
+        let o = Overrides::default().with("model", Some("flag/model"));
         let s = Settings::load(None, None, &o, &env).unwrap();
         assert_eq!(s.model.value, "flag/model");
         assert_eq!(s.model.source, Source::Flag);
