@@ -118,6 +118,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         let m = Qwen3::new(cfg, &store, adapter, &opts)?;
         (m, t.elapsed().as_secs_f64(), format!("synthetic {shape:?}"))
     };
+    crate::commands::say_notes(&mut model);
     let vocab = model.cfg.vocab_size.min(151_643) as u64;
     let prompt: Vec<u32> = (0..args.prompt_tokens as u64)
         .map(|i| ((i.wrapping_mul(2_654_435_761) ^ args.seed) % vocab) as u32)

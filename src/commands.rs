@@ -71,8 +71,9 @@ pub fn load_generator(
     })?;
     let opts = m.engine.options(device::select(kind)?, Numerics::Fast);
     let t = Instant::now();
-    let generator = Generator::load(&model_dir, adapter_dir.as_deref(), &opts)
+    let mut generator = Generator::load(&model_dir, adapter_dir.as_deref(), &opts)
         .with_context(|| format!("loading model {}", model_dir.display()))?;
+    say_notes(&mut generator.model);
     let label = match &adapter_dir {
         Some(a) => format!("{} + adapter {}", settings.model.value, a.display()),
         None => format!("{} (no adapter)", settings.model.value),
@@ -203,6 +204,7 @@ pub fn generate(
         }
         out.flush()?;
     }
+    say_notes(&mut generator.model);
     Ok(())
 }
 
@@ -240,4 +242,11 @@ pub fn save_draft(store: &Store, p: &Post, settings: &Settings) -> anyhow::Resul
         settings.adapter.value.as_deref(),
         &record::timestamp(SystemTime::now()),
     )?)
+}
+
+/// Tells the user, on stderr, what the engine noted about how the model runs (fallbacks).
+pub fn say_notes(model: &mut crate::engine::Qwen3) {
+    for n in model.take_notes() {
+        eprintln!("note: {n}");
+    }
 }

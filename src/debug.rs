@@ -24,6 +24,7 @@ pub fn forward(args: &ForwardArgs) -> anyhow::Result<()> {
     let mut model = engine::load(&args.model, args.adapter.as_deref(), &opts)
         .with_context(|| format!("loading the model from {}", args.model.display()))?;
     let (last_logits, greedy_ids) = model.greedy(&args.ids, args.steps)?;
+    commands::say_notes(&mut model);
     let mut out = std::io::stdout().lock();
     serde_json::to_writer(
         &mut out,

@@ -106,9 +106,10 @@ fn engine_code(e: &crate::engine::EngineError) -> i32 {
         | E::Config { .. }
         | E::UnsupportedQuantMode { .. }
         | E::Adapter { .. } => CONFIG,
-        E::ContextFull { .. } => USAGE,
+        E::NotADirectory { .. } | E::NoWeights { .. } | E::FeatureDisabled { .. } => CONFIG,
+        E::ContextFull { .. } | E::TokenOutOfRange { .. } => USAGE,
         E::NonFiniteLogits => GENERATION,
-        E::Invalid(_) | E::Candle(_) => OTHER,
+        E::Internal(_) | E::Candle(_) => OTHER,
     }
 }
 

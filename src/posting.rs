@@ -16,7 +16,7 @@ use crate::cli::{AccountArgs, DeleteArgs, GuardArgs, PostArgs};
 use crate::commands::{self, load_settings, process_env};
 use crate::dedup::{self, TrainingIndex};
 use crate::settings::{Overrides, Settings};
-use crate::store::{NewPost, Store, StoreError};
+use crate::store::{NewPost, PostStatus, Store, StoreError};
 
 /// A post refused before anything was sent.
 #[derive(Debug, thiserror::Error)]
@@ -123,7 +123,7 @@ pub fn reconcile(client: &mut Bluesky, creds: &Credentials, store: &Store) -> an
                             "an interrupted run's post {} was refused on resending: {e}",
                             row.rkey
                         );
-                        store.set_status(&row.rkey, "failed")?;
+                        store.set_status(&row.rkey, PostStatus::Failed)?;
                         None
                     }
                     Err(e) => return Err(e.into()),
@@ -491,7 +491,7 @@ pub fn delete(
             anyhow::bail!("{uri} does not exist (nothing was deleted)");
         }
         client.delete(creds, &collection, &rkey)?;
-        store.set_status(&rkey, "deleted")?;
+        store.set_status(&rkey, PostStatus::Deleted)?;
         println!("deleted {uri}");
         Ok(())
     })

@@ -145,7 +145,7 @@ pub fn review(
     queue.reverse();
     while let Some(id) = queue.pop() {
         let Some(d) = store.draft(id)? else { continue };
-        if d.status != "new" {
+        if d.status != DraftStatus::New {
             continue;
         }
         writeln!(

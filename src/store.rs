@@ -3,9 +3,11 @@
 //! human share the file. A post is written as `pending` (with its record key) *before* it is
 //! sent, so a crash mid-send is reconciled on the next run instead of forgotten or repeated.
 
+use std::fmt;
 use std::path::{Path, PathBuf};
 
-use rusqlite::{params, Connection, OptionalExtension};
+use rusqlite::types::{FromSql, FromSqlError, FromSqlResult, ToSqlOutput, ValueRef};
+use rusqlite::{params, Connection, OptionalExtension, ToSql};
 use serde::Serialize;
 
 #[derive(Debug, thiserror::Error)]
@@ -36,7 +38,7 @@ pub struct PostRow {
     pub account: String,
     pub rkey: String,
     pub text: String,
-    pub status: String,
+    pub status: PostStatus,
     pub uri: Option<String>,
     pub cid: Option<String>,
     pub created_at: String,
@@ -205,7 +207,7 @@ impl Store {
         })
     }
 
-    pub fn set_status(&self, rkey: &str, status: &str) -> Result<(), StoreError> {
+    pub fn set_status(&self, rkey: &str, status: PostStatus) -> Result<(), StoreError> {
         self.exec(|c| {
             c.execute(
                 "UPDATE posts SET status = ?2 WHERE rkey = ?1",
@@ -271,7 +273,7 @@ impl Store {
             .next())
     }
 
-    pub fn count_posts(&self, status: &str) -> Result<i64, StoreError> {
+    pub fn count_posts(&self, status: PostStatus) -> Result<i64, StoreError> {
         self.exec(|c| {
             c.query_row(
                 "SELECT COUNT(*) FROM posts WHERE status = ?1",
@@ -284,39 +286,85 @@ impl Store {
     }
 }
 
+/// A status stored as text in SQLite (the schema's CHECK lists the same words) and shown as
+/// that word in JSON and messages.
+macro_rules! status_enum {
+    ($(#[$meta:meta])* $name:ident { $($variant:ident = $text:literal),+ $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub enum $name {
+            $($variant),+
+        }
+
+        impl $name {
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $text),+
+                }
+            }
+            pub fn parse(s: &str) -> Option<Self> {
+                match s {
+                    $($text => Some($name::$variant),)+
+                    _ => None,
+                }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl Serialize for $name {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_str(self.as_str())
+            }
+        }
+
+        impl ToSql for $name {
+            fn to_sql(&self) -> rusqlite::Result<ToSqlOutput<'_>> {
+                Ok(ToSqlOutput::from(self.as_str()))
+            }
+        }
+
+        impl FromSql for $name {
+            fn column_result(v: ValueRef<'_>) -> FromSqlResult<Self> {
+                let text = v.as_str()?;
+                Self::parse(text).ok_or_else(|| {
+                    FromSqlError::Other(format!("unknown {} `{text}`", stringify!($name)).into())
+                })
+            }
+        }
+    };
+}
+
+status_enum! {
 /// A draft's life: `new` → `approved` | `rejected`; `approved` ⇄ `rejected` while unposted;
-/// `approved` → `posted` only through publishing, or → `refused` when the guard turns it down
-/// at publishing time (a person may approve or reject it again, after editing). `posted` is
-/// final.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DraftStatus {
-    New,
-    Approved,
-    Rejected,
-    Posted,
-    Refused,
+    /// `approved` → `posted` only through publishing, or → `refused` when the guard turns it down
+    /// at publishing time (a person may approve or reject it again, after editing). `posted` is
+    /// final.
+    DraftStatus {
+        New = "new",
+        Approved = "approved",
+        Rejected = "rejected",
+        Posted = "posted",
+        Refused = "refused",
+    }
+}
+
+status_enum! {
+    /// A post in the history: `pending` from before its send until the server's answer (or the
+    /// next run's reconcile) settles it.
+    PostStatus {
+        Pending = "pending",
+        Posted = "posted",
+        Failed = "failed",
+        Deleted = "deleted",
+    }
 }
 
 impl DraftStatus {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DraftStatus::New => "new",
-            DraftStatus::Approved => "approved",
-            DraftStatus::Rejected => "rejected",
-            DraftStatus::Posted => "posted",
-            DraftStatus::Refused => "refused",
-        }
-    }
-    pub fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "new" => DraftStatus::New,
-            "approved" => DraftStatus::Approved,
-            "rejected" => DraftStatus::Rejected,
-            "posted" => DraftStatus::Posted,
-            "refused" => DraftStatus::Refused,
-            _ => return None,
-        })
-    }
     /// Whether a person may move a draft from `self` to `to` (posting is not a person's move).
     pub fn can_become(self, to: DraftStatus) -> bool {
         use DraftStatus::*;
@@ -342,7 +390,7 @@ pub struct Draft {
     pub model: Option<String>,
     pub adapter: Option<String>,
     pub created_at: String,
-    pub status: String,
+    pub status: DraftStatus,
     pub uri: Option<String>,
     /// Why the guard refused it, for a `refused` draft.
     pub note: Option<String>,
@@ -353,7 +401,11 @@ pub enum DraftError {
     #[error("no draft {0}")]
     NotFound(i64),
     #[error("draft {id} is {from}; it cannot become {to}")]
-    Transition { id: i64, from: String, to: String },
+    Transition {
+        id: i64,
+        from: DraftStatus,
+        to: String,
+    },
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -410,7 +462,7 @@ impl Store {
 
     pub fn drafts(&self, status: Option<DraftStatus>) -> Result<Vec<Draft>, StoreError> {
         match status {
-            Some(s) => self.drafts_where("status = ?1 ORDER BY id", params![s.as_str()]),
+            Some(s) => self.drafts_where("status = ?1 ORDER BY id", params![s]),
             None => self.drafts_where("1 ORDER BY id", params![]),
         }
     }
@@ -574,8 +626,8 @@ mod tests {
         s.refuse_draft(d[0].id, "too similar").unwrap();
         let d = s.draft(d[0].id).unwrap().unwrap();
         assert_eq!(
-            (d.status.as_str(), d.note.as_deref()),
-            ("refused", Some("too similar"))
+            (d.status, d.note.as_deref()),
+            (DraftStatus::Refused, Some("too similar"))
         );
         drop(s);
         // opening again applies nothing twice
@@ -618,7 +670,7 @@ mod tests {
         );
         s.mark_posted("3kaaaaaaaaaaa", "at://x", "cid", "t")
             .unwrap();
-        assert_eq!(s.draft(id).unwrap().unwrap().status, "posted");
+        assert_eq!(s.draft(id).unwrap().unwrap().status, Posted);
         let err = s.set_draft_status(id, Rejected).unwrap_err();
         assert!(err.to_string().contains("posted"), "{err}");
         assert!(matches!(
@@ -656,9 +708,9 @@ mod tests {
             b.add_pending(&post("3kbbbbbbbbbbb")),
             Err(StoreError::DraftTaken(d)) if d == id
         ));
-        assert_eq!(a.count_posts("pending").unwrap(), 1);
+        assert_eq!(a.count_posts(PostStatus::Pending).unwrap(), 1);
         // a send that failed frees the draft for the next run
-        a.set_status("3kaaaaaaaaaaa", "failed").unwrap();
+        a.set_status("3kaaaaaaaaaaa", PostStatus::Failed).unwrap();
         b.add_pending(&post("3kbbbbbbbbbbb")).unwrap();
         // a draft no longer approved cannot be claimed
         let other = a

@@ -49,9 +49,10 @@ fn cuda() -> Result<Device> {
 
 #[cfg(not(feature = "cuda"))]
 fn cuda() -> Result<Device> {
-    Err(EngineError::Invalid(
-        "this `bot` was built without CUDA support: rebuild with `cargo build --release --features cuda`".into(),
-    ))
+    Err(EngineError::FeatureDisabled {
+        backend: "CUDA",
+        feature: "cuda",
+    })
 }
 
 #[cfg(bot_metal)]
@@ -61,7 +62,8 @@ fn metal() -> Result<Device> {
 
 #[cfg(not(bot_metal))]
 fn metal() -> Result<Device> {
-    Err(EngineError::Invalid(
-        "this `bot` was built without Metal support: rebuild with `cargo build --release --features metal`".into(),
-    ))
+    Err(EngineError::FeatureDisabled {
+        backend: "Metal",
+        feature: "metal",
+    })
 }

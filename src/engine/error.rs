@@ -61,8 +61,27 @@ pub enum EngineError {
     )]
     ContextFull { tokens: usize, max: usize },
 
-    #[error("{0}")]
-    Invalid(String),
+    #[error("{what} directory {path} does not exist or is not a directory")]
+    NotADirectory { what: &'static str, path: PathBuf },
+
+    #[error("no model*.safetensors in {dir}: is this an mlx_lm model directory?")]
+    NoWeights { dir: PathBuf },
+
+    #[error("token id {id} is outside the vocabulary (size {vocab})")]
+    TokenOutOfRange { id: u32, vocab: usize },
+
+    #[error(
+        "this `bot` was built without {backend} support: rebuild with \
+         `cargo build --release --features {feature}`"
+    )]
+    FeatureDisabled {
+        backend: &'static str,
+        feature: &'static str,
+    },
+
+    /// A broken invariant of the engine itself (a bug to report), never a user's mistake.
+    #[error("internal error: {0}")]
+    Internal(String),
 
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -27,20 +27,20 @@ pub use weights::WeightStore;
 /// Loads `model_dir` (and `adapter_dir`, if given) into a ready model.
 pub fn load(model_dir: &Path, adapter_dir: Option<&Path>, opts: &ModelOptions) -> Result<Qwen3> {
     if !model_dir.is_dir() {
-        return Err(EngineError::Invalid(format!(
-            "model directory {} does not exist or is not a directory",
-            model_dir.display()
-        )));
+        return Err(EngineError::NotADirectory {
+            what: "model",
+            path: model_dir.to_path_buf(),
+        });
     }
     let cfg = Qwen3Config::from_dir(model_dir)?;
     let store = WeightStore::open_dir(model_dir)?;
     let adapter = match adapter_dir {
         Some(d) => {
             if !d.is_dir() {
-                return Err(EngineError::Invalid(format!(
-                    "adapter directory {} does not exist or is not a directory",
-                    d.display()
-                )));
+                return Err(EngineError::NotADirectory {
+                    what: "adapter",
+                    path: d.to_path_buf(),
+                });
             }
             Some(Adapter::load(d, &opts.device)?)
         }

@@ -69,12 +69,15 @@ pub enum QMatmulRoute {
 }
 
 /// On a Mac whose Metal compiler rejects our kernels, the repack route (candle's own Metal
-/// kernels) takes over instead of failing.
-fn effective_options(opts: &ModelOptions) -> ModelOptions {
+/// kernels) takes over instead of failing; the note says so.
+#[allow(unused_variables)]
+fn effective_options(opts: &ModelOptions, notes: &mut Vec<String>) -> ModelOptions {
     #[cfg(bot_metal)]
     if let (Device::Metal(dev), QMatmulRoute::Native) = (&opts.device, opts.route) {
         if let Err(e) = crate::engine::metal::quant::native_kernels_available(dev) {
-            eprintln!("Metal: our kernels did not compile ({e}); using --qmatmul repack");
+            notes.push(format!(
+                "Metal: our kernels did not compile ({e}); using --qmatmul repack"
+            ));
             return ModelOptions {
                 route: QMatmulRoute::Repack,
                 ..opts.clone()
@@ -142,22 +145,15 @@ impl Weight {
     }
 
     /// The weight as `route` wants it for a projection; the repack keeps the native layout
-    /// for matrices it cannot represent exactly, and says so once.
+    /// for matrices it cannot represent exactly (`Qwen3::new` notes how many).
     fn routed(self, opts: &ModelOptions) -> Result<Self> {
-        use std::sync::atomic::{AtomicBool, Ordering};
-        static SAID: AtomicBool = AtomicBool::new(false);
         match (&self, opts.route) {
             (Weight::Quant(q), QMatmulRoute::Repack) => match repack::qmatmul(q, &opts.device)? {
                 Ok(mm) => Ok(Weight::Repacked {
                     mm: Arc::new(mm),
                     nbytes: q.rows * q.cols / 32 * repack::Q4_1_BLOCK_BYTES,
                 }),
-                Err(e) => {
-                    if !SAID.swap(true, Ordering::Relaxed) {
-                        eprintln!("--qmatmul repack: {e}; such matrices keep the native kernels");
-                    }
-                    Ok(self)
-                }
+                Err(_) => Ok(self),
             },
             _ => Ok(self),
         }
@@ -229,10 +225,7 @@ impl Embedding {
         match &self.weight {
             Weight::Quant(q) => {
                 if let Some(&id) = ids.iter().find(|&&id| id as usize >= q.rows) {
-                    return Err(EngineError::Invalid(format!(
-                        "token id {id} is outside the vocabulary (size {})",
-                        q.rows
-                    )));
+                    return Err(EngineError::TokenOutOfRange { id, vocab: q.rows });
                 }
                 let idx = Tensor::new(ids, dev)?;
                 Ok(idx.apply_op1_no_bwd(&QGather { w: q.clone() })?)
@@ -241,7 +234,7 @@ impl Embedding {
                 let idx = Tensor::new(ids, t.device())?;
                 Ok(t.index_select(&idx, 0)?.to_device(dev)?)
             }
-            Weight::Repacked { .. } => Err(EngineError::Invalid(
+            Weight::Repacked { .. } => Err(EngineError::Internal(
                 "the embedding table is gathered natively, never repacked".into(),
             )),
         }
@@ -531,6 +524,8 @@ pub struct Qwen3 {
     /// The ids whose keys and values the cache holds, in order.
     cached: Vec<u32>,
     sampler: CpuSampler,
+    /// What the user should hear about how this model runs (fallbacks), for the commands to say.
+    notes: Vec<String>,
     device: Device,
     #[cfg(feature = "cuda")]
     fused: Option<Box<crate::engine::cuda::fused::FusedQwen3>>,
@@ -544,7 +539,8 @@ impl Qwen3 {
         opts: &ModelOptions,
     ) -> Result<Self> {
         let mut adapter = adapter;
-        let opts = &effective_options(opts);
+        let mut notes = Vec::new();
+        let opts = &effective_options(opts, &mut notes);
         check_layer_count(&cfg, store)?;
         let h = cfg.hidden_size;
         let embed = Weight::load(
@@ -582,6 +578,7 @@ impl Qwen3 {
             lm_head,
             cached: Vec::new(),
             sampler: CpuSampler::new(),
+            notes,
             device: opts.device.clone(),
             cfg,
             #[cfg(feature = "cuda")]
@@ -595,10 +592,32 @@ impl Qwen3 {
                     let f = FusedQwen3::new(&model, dev, opts.kernel, opts.cuda_step)?;
                     model.fused = Some(Box::new(f));
                 }
-                Some(why) => eprintln!("CUDA: {why}; running candle ops instead of the fused step"),
+                Some(why) => model.notes.push(format!(
+                    "CUDA: {why}; running candle ops instead of the fused step"
+                )),
+            }
+        }
+        if opts.route == QMatmulRoute::Repack {
+            let total = model.projections().count() + 1;
+            let kept = total - model.repacked_projections();
+            if kept > 0 {
+                model.notes.push(format!(
+                    "--qmatmul repack: {kept} of {total} matrices keep the native kernels \
+                     (not 4-bit, or values Q4_1 cannot hold exactly)"
+                ));
             }
         }
         Ok(model)
+    }
+
+    /// Notes gathered since the last call (a fallback at load or during a run), for the caller
+    /// to show; the engine prints nothing itself.
+    pub fn take_notes(&mut self) -> Vec<String> {
+        #[cfg(feature = "cuda")]
+        if let Some(f) = &mut self.fused {
+            self.notes.append(&mut f.notes);
+        }
+        std::mem::take(&mut self.notes)
     }
 
     /// Whether forwards run the fused CUDA step rather than candle ops.
@@ -757,7 +776,7 @@ impl Qwen3 {
     ) -> Result<ForwardOutput> {
         let l = ids.len();
         if l == 0 {
-            return Err(EngineError::Invalid(
+            return Err(EngineError::Internal(
                 "forward needs at least one token".into(),
             ));
         }
@@ -855,7 +874,7 @@ impl Qwen3 {
         #[cfg(feature = "cuda")]
         if let Some(f) = &mut self.fused {
             if ids.is_empty() {
-                return Err(EngineError::Invalid(
+                return Err(EngineError::Internal(
                     "forward needs at least one token".into(),
                 ));
             }
@@ -874,7 +893,7 @@ impl Qwen3 {
         #[cfg(feature = "cuda")]
         if let Some(f) = &mut self.fused {
             if ids.is_empty() {
-                return Err(EngineError::Invalid(
+                return Err(EngineError::Internal(
                     "forward needs at least one token".into(),
                 ));
             }

@@ -408,10 +408,9 @@ impl WeightStore {
             names.sort();
         }
         if names.is_empty() {
-            return Err(EngineError::Invalid(format!(
-                "no model*.safetensors in {}: is this an mlx_lm model directory?",
-                dir.display()
-            )));
+            return Err(EngineError::NoWeights {
+                dir: dir.to_path_buf(),
+            });
         }
         let mut files = Vec::new();
         let mut index = BTreeMap::new();

@@ -345,8 +345,14 @@ fn queue_publishing_is_exactly_once() {
     assert_eq!(list_posts(&pds, &acct.did).len(), 2);
     assert_eq!(drafts(home.path())[1]["status"], "posted");
     let store = bot::store::Store::open(home.path()).unwrap();
-    assert_eq!(store.count_posts("failed").unwrap(), 1);
-    assert_eq!(store.count_posts("pending").unwrap(), 0);
+    assert_eq!(
+        store.count_posts(bot::store::PostStatus::Failed).unwrap(),
+        1
+    );
+    assert_eq!(
+        store.count_posts(bot::store::PostStatus::Pending).unwrap(),
+        0
+    );
 
     // Nothing left: exit 0, nothing on stdout, a line in the run log.
     let out = bot(&pds.service, home.path(), &acct)
@@ -518,7 +524,11 @@ fn two_profiles_keep_separate_sessions_and_accounts() {
     assert_eq!(list_posts(&pds, &b.did).len(), 2);
     for p in ["a", "b"] {
         let store = bot::store::Store::open(&home.path().join("profiles").join(p)).unwrap();
-        assert_eq!(store.count_posts("posted").unwrap(), 2, "profile {p}");
+        assert_eq!(
+            store.count_posts(bot::store::PostStatus::Posted).unwrap(),
+            2,
+            "profile {p}"
+        );
     }
     assert!(!home.path().join("session.json").exists());
 }

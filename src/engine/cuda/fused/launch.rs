@@ -73,7 +73,7 @@ impl FusedQwen3 {
         let func = self
             .funcs
             .get(f)
-            .ok_or_else(|| EngineError::Invalid(format!("kernel {f} not loaded")))?;
+            .ok_or_else(|| EngineError::Internal(format!("kernel {f} not loaded")))?;
         if self.pdl && self.profile.is_none() {
             return self.launch_pdl(func, grid, block, smem, args);
         }

@@ -108,6 +108,8 @@ pub struct FusedQwen3 {
     sample_out: CudaSlice<u32>,
     /// While profiling: an event pair around every launch (which then runs eagerly).
     profile: Option<RefCell<Vec<(&'static str, CudaEvent, CudaEvent)>>>,
+    /// Fallbacks to report (`Qwen3::take_notes`).
+    pub(crate) notes: Vec<String>,
 }
 
 impl FusedQwen3 {
@@ -176,7 +178,7 @@ impl FusedQwen3 {
         }
         let one = |w: &Weight| -> Result<Proj> {
             let q =
-                quant(w).ok_or_else(|| EngineError::Invalid("fused step: dense weight".into()))?;
+                quant(w).ok_or_else(|| EngineError::Internal("fused step: dense weight".into()))?;
             Proj::single(dev, q)
         };
         // x staged in shared memory: 48 KiB at 12288 wide, which with the kernel's static
@@ -224,7 +226,7 @@ impl FusedQwen3 {
             };
             let func = funcs
                 .get(f)
-                .ok_or_else(|| EngineError::Invalid(format!("kernel {f} not loaded")))?;
+                .ok_or_else(|| EngineError::Internal(format!("kernel {f} not loaded")))?;
             let grid = qmv4_grid(func, passes, 32 * warps, smem, sms)?;
             p.decode = DecodeShape {
                 f,
@@ -265,6 +267,7 @@ impl FusedQwen3 {
             sample_state: dev.alloc_zeros::<u8>(std::mem::size_of::<SampleState>())?,
             sample_out: dev.alloc_zeros::<u32>(3)?,
             profile: None,
+            notes: Vec::new(),
         })
     }
 
@@ -369,10 +372,10 @@ impl FusedQwen3 {
     ) -> Result<()> {
         let m = ids.len();
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= self.d.vocab) {
-            return Err(EngineError::Invalid(format!(
-                "token id {id} is outside the vocabulary (size {})",
-                self.d.vocab
-            )));
+            return Err(EngineError::TokenOutOfRange {
+                id,
+                vocab: self.d.vocab,
+            });
         }
         self.ensure(m, pos + m, all_logits)?;
         self.stream
@@ -391,7 +394,9 @@ impl FusedQwen3 {
                         self.graph_sampler = sample;
                     }
                     Err(e) => {
-                        eprintln!("CUDA graph capture failed ({e}); launching kernels one by one");
+                        self.notes.push(format!(
+                            "CUDA graph capture failed ({e}); launching kernels one by one"
+                        ));
                         self.mode = CudaStep::Eager;
                     }
                 }
@@ -443,6 +448,6 @@ impl FusedQwen3 {
         issued?;
         graph
             .w()?
-            .ok_or_else(|| EngineError::Invalid("the captured CUDA graph is empty".into()))
+            .ok_or_else(|| EngineError::Internal("the captured CUDA graph is empty".into()))
     }
 }

@@ -79,7 +79,7 @@ impl Proj {
             .iter()
             .map(|l| quant(&l.weight).map(|a| a.as_ref()))
             .collect::<Option<_>>()
-            .ok_or_else(|| EngineError::Invalid("fused step: dense projection".into()))?;
+            .ok_or_else(|| EngineError::Internal("fused step: dense projection".into()))?;
         let interleave = interleave && qs.len() > 1 && qs.iter().all(|q| q.rows == qs[0].rows);
         let lora = ProjLora::new(dev, parts, &qs, interleave)?;
         if qs.len() == 1 {
