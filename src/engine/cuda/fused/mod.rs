@@ -37,6 +37,8 @@ use crate::engine::quant::{Numerics, QMatrix};
 use crate::engine::qwen3::{rope_angles, CudaStep, Linear, Qwen3, Weight};
 mod buffers;
 mod eligible;
+#[cfg(test)]
+mod kernel_tests;
 mod launch;
 mod step;
 mod weights;
