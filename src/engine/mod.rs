@@ -6,6 +6,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod device;
 pub mod error;
+pub mod layers;
 pub mod lora;
 pub mod metal;
 pub mod profile;
@@ -19,9 +20,10 @@ use std::path::Path;
 
 pub use config::{QuantParams, Qwen3Config};
 pub use error::{EngineError, Result};
+pub use layers::{CudaStep, ModelOptions, QMatmulRoute};
 pub use lora::Adapter;
 pub use quant::{Numerics, QMatrix};
-pub use qwen3::{CudaStep, ModelOptions, QMatmulRoute, Qwen3};
+pub use qwen3::Qwen3;
 pub use weights::WeightStore;
 
 /// Loads `model_dir` (and `adapter_dir`, if given) into a ready model.

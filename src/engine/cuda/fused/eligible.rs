@@ -3,7 +3,7 @@
 use super::*;
 
 /// Why the fused step cannot run this model (the caller falls back to candle ops), if it cannot.
-pub fn unsupported(m: &Qwen3) -> Option<String> {
+pub(crate) fn unsupported(m: &ModelView) -> Option<String> {
     let c = &m.cfg;
     if ![32, 64, 128, 256].contains(&c.head_dim) {
         return Some(format!("head_dim {} is not 32, 64, 128 or 256", c.head_dim));
@@ -15,16 +15,14 @@ pub fn unsupported(m: &Qwen3) -> Option<String> {
         // the kernels read activation rows as float4
         return Some("hidden or intermediate size is not a multiple of 4".into());
     }
-    let all = m
-        .projections()
-        .chain([m.embed_weight(), &m.lm_head_linear().weight]);
+    let all = m.projections().chain([m.embed, &m.lm_head.weight]);
     for w in all {
         match w {
             Weight::Quant(_) => {}
             _ => return Some("a projection is not MLX-quantized (dense or repacked)".into()),
         }
     }
-    for l in m.layer_linears() {
+    for l in m.layers.iter().map(|l| l.linears) {
         for group in [&l[0..3], &l[4..6]] {
             let q: Vec<&QMatrix> = group
                 .iter()

@@ -67,7 +67,7 @@ fn rms_ref(x: &[f32], w: &[f32], eps: f32) -> Vec<f64> {
 
 /// RoPE tables as the step builds them (`qwen3::rope_angles`).
 fn tables(hd: usize, cap: usize) -> (Vec<f32>, Vec<f32>) {
-    crate::engine::qwen3::rope_angles(1e6, hd, 0..cap)
+    crate::engine::layers::rope_angles(1e6, hd, 0..cap)
 }
 
 /// `x` (one head) normed with `w`, then rotated to position `p` (half-split RoPE).

@@ -30,11 +30,11 @@ use crate::engine::cuda::quant::{
 };
 use crate::engine::cuda::sample;
 use crate::engine::error::{EngineError, Result};
+use crate::engine::layers::{rope_angles, CudaStep, Linear, ModelView, Weight};
 use crate::engine::lora::LoraBranch;
 use crate::engine::profile::KernelTime;
 use crate::engine::quant::QParams;
 use crate::engine::quant::{Numerics, QMatrix};
-use crate::engine::qwen3::{rope_angles, CudaStep, Linear, Qwen3, Weight};
 mod buffers;
 mod eligible;
 #[cfg(test)]
@@ -44,7 +44,7 @@ mod step;
 mod weights;
 
 use buffers::{Buffers, Cache, Dims};
-pub use eligible::unsupported;
+pub(crate) use eligible::unsupported;
 use launch::{pdl_available, ptr, Arg};
 use weights::{quant, DecodeShape, Layer, Proj};
 
@@ -116,7 +116,12 @@ pub struct FusedQwen3 {
 
 impl FusedQwen3 {
     /// Uploads `m`'s weights in the fused layout; `unsupported(m)` must be `None`.
-    pub fn new(m: &Qwen3, dev: &CudaDevice, kernel: Numerics, mode: CudaStep) -> Result<Self> {
+    pub(crate) fn new(
+        m: &ModelView,
+        dev: &CudaDevice,
+        kernel: Numerics,
+        mode: CudaStep,
+    ) -> Result<Self> {
         let c = &m.cfg;
         let d = Dims {
             h: c.hidden_size,
@@ -157,7 +162,7 @@ impl FusedQwen3 {
         };
         let mut layers = Vec::new();
         let mut max_rtot = 1;
-        for (l, norms) in m.layer_linears().zip(m.layer_norms()) {
+        for (l, norms) in m.layers.iter().map(|l| (l.linears, l.norms)) {
             let qkv = Proj::new(dev, &l[0..3], false)?;
             let o = Proj::new(dev, &l[3..4], false)?;
             let gu = Proj::new(dev, &l[4..6], true)?;
@@ -238,8 +243,8 @@ impl FusedQwen3 {
             };
             Ok(())
         };
-        let embed = one(m.embed_weight())?;
-        let mut head = one(&m.lm_head_linear().weight)?;
+        let embed = one(m.embed)?;
+        let mut head = one(&m.lm_head.weight)?;
         for l in layers.iter_mut() {
             for p in [&mut l.qkv, &mut l.o, &mut l.gu, &mut l.down] {
                 shape(p)?;
@@ -254,7 +259,7 @@ impl FusedQwen3 {
             funcs,
             d,
             layers,
-            norm: vec(m.final_norm())?,
+            norm: vec(m.norm)?,
             embed,
             head,
             exact: kernel == Numerics::Exact,

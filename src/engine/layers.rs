@@ -1,0 +1,284 @@
+//! The model's building blocks, apart from how Qwen3 wires them (`qwen3.rs`): the run-time
+//! options, a weight in any of its forms (MLX-quantized, repacked, dense), a bias-free
+//! projection with its LoRA branch, the embedding, RoPE's angles, and the read-only view of a
+//! loaded model that the fused CUDA step builds its buffers from.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+
+use crate::engine::config::Qwen3Config;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::lora::{Adapter, LoraBranch};
+use crate::engine::profile::{self, Part};
+use crate::engine::quant::repack;
+use crate::engine::quant::{qmatmul, Numerics, QGather, QMatrix};
+use crate::engine::weights::WeightStore;
+
+/// Run-time choices that do not change the model.
+#[derive(Debug, Clone)]
+pub struct ModelOptions {
+    pub device: Device,
+    pub kernel: Numerics,
+    pub route: QMatmulRoute,
+    pub cuda_step: CudaStep,
+}
+
+impl Default for ModelOptions {
+    fn default() -> Self {
+        ModelOptions {
+            device: Device::Cpu,
+            kernel: Numerics::Exact,
+            route: QMatmulRoute::Native,
+            cuda_step: CudaStep::Graph,
+        }
+    }
+}
+
+/// How a forward runs on CUDA (other devices always run candle ops).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum CudaStep {
+    /// Our fused step (`cuda/fused.rs`), decode steps replayed from a captured CUDA graph
+    #[default]
+    Graph,
+    /// Our fused step, every kernel launched from the host
+    Eager,
+    /// candle ops around our quantized matmul (the reference path)
+    Ops,
+}
+
+/// Which kernels run the quantized projections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum QMatmulRoute {
+    /// Our fused kernels on the MLX layout (every width and group size)
+    #[default]
+    Native,
+    /// Repack 4-bit weights to candle's Q4_1 at load time and run candle's kernels
+    /// (other widths, and values f16 cannot hold exactly, stay native)
+    Repack,
+}
+
+/// On a Mac whose Metal compiler rejects our kernels, the repack route (candle's own Metal
+/// kernels) takes over instead of failing; the note says so.
+#[allow(unused_variables)]
+pub(crate) fn effective_options(opts: &ModelOptions, notes: &mut Vec<String>) -> ModelOptions {
+    #[cfg(bot_metal)]
+    if let (Device::Metal(dev), QMatmulRoute::Native) = (&opts.device, opts.route) {
+        if let Err(e) = crate::engine::metal::quant::native_kernels_available(dev) {
+            notes.push(format!(
+                "Metal: our kernels did not compile ({e}); using --qmatmul repack"
+            ));
+            return ModelOptions {
+                route: QMatmulRoute::Repack,
+                ..opts.clone()
+            };
+        }
+    }
+    opts.clone()
+}
+
+/// A weight matrix [out, in]: MLX-quantized, repacked to candle's Q4_1, or dense (modules
+/// mlx_lm left unquantized).
+#[derive(Debug, Clone)]
+pub enum Weight {
+    Quant(Arc<QMatrix>),
+    Repacked {
+        mm: Arc<candle_core::quantized::QMatMul>,
+        nbytes: usize,
+    },
+    Dense(Tensor),
+}
+
+impl Weight {
+    pub(crate) fn load(
+        store: &WeightStore,
+        cfg: &Qwen3Config,
+        name: &str,
+        out: usize,
+        inp: usize,
+        dev: &Device,
+    ) -> Result<Self> {
+        match cfg.quant_for(store, name, inp)? {
+            Some(params) => Ok(Weight::Quant(Arc::new(QMatrix::from_tensors(
+                name,
+                out,
+                inp,
+                params,
+                store.require(&format!("{name}.weight"))?,
+                store.require(&format!("{name}.scales"))?,
+                store.require(&format!("{name}.biases"))?,
+            )?))),
+            None => {
+                let w = store.require(&format!("{name}.weight"))?;
+                if w.dtype == crate::engine::weights::Dtype::U32 {
+                    return Err(EngineError::MissingTensor {
+                        dir: store.dir.clone(),
+                        name: format!("{name}.scales"),
+                        hint: format!(
+                            "`{name}.weight` holds packed U32 codes, which need scales and biases"
+                        ),
+                    });
+                }
+                w.expect_shape(&[out, inp])?;
+                Ok(Weight::Dense(w.to_candle_f32(dev)?))
+            }
+        }
+    }
+
+    /// Bytes one pass over the weight reads.
+    pub fn nbytes(&self) -> usize {
+        match self {
+            Weight::Quant(q) => q.nbytes(),
+            Weight::Repacked { nbytes, .. } => *nbytes,
+            Weight::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
+        }
+    }
+
+    /// The weight as `route` wants it for a projection; the repack keeps the native layout
+    /// for matrices it cannot represent exactly (`Qwen3::new` notes how many).
+    pub(crate) fn routed(self, opts: &ModelOptions) -> Result<Self> {
+        match (&self, opts.route) {
+            (Weight::Quant(q), QMatmulRoute::Repack) => match repack::qmatmul(q, &opts.device)? {
+                Ok(mm) => Ok(Weight::Repacked {
+                    mm: Arc::new(mm),
+                    nbytes: q.rows * q.cols / 32 * repack::Q4_1_BLOCK_BYTES,
+                }),
+                Err(_) => Ok(self),
+            },
+            _ => Ok(self),
+        }
+    }
+}
+
+/// A bias-free projection with an optional LoRA branch.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    pub weight: Weight,
+    pub lora: Option<LoraBranch>,
+    pub(crate) kernel: Numerics,
+    pub(crate) part: Part,
+}
+
+impl Linear {
+    pub(crate) fn new(
+        store: &WeightStore,
+        cfg: &Qwen3Config,
+        name: &str,
+        out: usize,
+        inp: usize,
+        adapter: &mut Option<Adapter>,
+        opts: &ModelOptions,
+    ) -> Result<Self> {
+        let weight = Weight::load(store, cfg, name, out, inp, &opts.device)?.routed(opts)?;
+        let lora = match adapter {
+            Some(a) => a.take(name, inp, out)?,
+            None => None,
+        };
+        Ok(Linear {
+            weight,
+            lora,
+            kernel: opts.kernel,
+            part: Part::Projections,
+        })
+    }
+
+    /// (L, in) -> (L, out)
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let t = Instant::now();
+        let y = match &self.weight {
+            Weight::Quant(q) => qmatmul(x, q, self.kernel)?,
+            Weight::Repacked { mm, .. } => candle_core::Module::forward(mm.as_ref(), x)?,
+            Weight::Dense(w) => x.matmul(&w.t()?)?,
+        };
+        profile::add(self.part, t);
+        match &self.lora {
+            Some(l) => {
+                let t = Instant::now();
+                let y = (y + l.forward(x)?)?;
+                profile::add(Part::Lora, t);
+                Ok(y)
+            }
+            None => Ok(y),
+        }
+    }
+}
+
+/// Token embedding; a quantized table is gathered row by row and only those rows dequantized.
+#[derive(Debug, Clone)]
+pub struct Embedding {
+    pub weight: Weight,
+}
+
+impl Embedding {
+    /// ids -> (L, H) on `dev`
+    pub fn forward(&self, ids: &[u32], dev: &Device) -> Result<Tensor> {
+        match &self.weight {
+            Weight::Quant(q) => {
+                if let Some(&id) = ids.iter().find(|&&id| id as usize >= q.rows) {
+                    return Err(EngineError::TokenOutOfRange { id, vocab: q.rows });
+                }
+                let idx = Tensor::new(ids, dev)?;
+                Ok(idx.apply_op1_no_bwd(&QGather { w: q.clone() })?)
+            }
+            Weight::Dense(t) => {
+                let idx = Tensor::new(ids, t.device())?;
+                Ok(t.index_select(&idx, 0)?.to_device(dev)?)
+            }
+            Weight::Repacked { .. } => Err(EngineError::Internal(
+                "the embedding table is gathered natively, never repacked".into(),
+            )),
+        }
+    }
+}
+
+/// cos and sin of RoPE's angles for `positions`, `(positions, head_dim / 2)` row-major, the
+/// half-split layout mlx_lm's `nn.RoPE(traditional=False)` uses. Every path (candle ops, the
+/// CPU attention, the fused CUDA step) takes its tables from here.
+pub(crate) fn rope_angles(
+    theta: f64,
+    head_dim: usize,
+    positions: std::ops::Range<usize>,
+) -> (Vec<f32>, Vec<f32>) {
+    let half = head_dim / 2;
+    let mut cos = Vec::with_capacity(positions.len() * half);
+    let mut sin = Vec::with_capacity(positions.len() * half);
+    for p in positions {
+        for i in 0..half {
+            // inv_freq = theta^(-2i/d), computed in f64 so the table is exact to f32
+            let angle = p as f64 * theta.powf(-(2.0 * i as f64) / head_dim as f64);
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    (cos, sin)
+}
+
+/// One decoder layer as the fused step reads it: q, k, v, o, gate, up, down; then the input,
+/// post-attention, q and k norm weights.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct LayerView<'a> {
+    pub linears: [&'a Linear; 7],
+    pub norms: [&'a Tensor; 4],
+}
+
+/// A loaded model's weights, read-only, for the fused step (which so depends on these blocks,
+/// not on the model that owns them).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct ModelView<'a> {
+    pub cfg: &'a Qwen3Config,
+    pub embed: &'a Weight,
+    pub layers: Vec<LayerView<'a>>,
+    pub norm: &'a Tensor,
+    pub lm_head: &'a Linear,
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+impl ModelView<'_> {
+    /// Every layer projection's weight.
+    pub fn projections(&self) -> impl Iterator<Item = &Weight> + '_ {
+        self.layers
+            .iter()
+            .flat_map(|l| l.linears.iter().map(|l| &l.weight))
+    }
+}
