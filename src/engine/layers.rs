@@ -12,8 +12,9 @@ use crate::engine::config::Qwen3Config;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::lora::{Adapter, LoraBranch};
 use crate::engine::profile::{self, Part};
+use crate::engine::quant::op::{qmatmul, QGather};
 use crate::engine::quant::repack;
-use crate::engine::quant::{qmatmul, Numerics, QGather, QMatrix};
+use crate::engine::quant::{Numerics, QMatrix};
 use crate::engine::weights::WeightStore;
 
 /// Run-time choices that do not change the model.

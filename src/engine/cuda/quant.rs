@@ -5,7 +5,7 @@
 //! mode); many rows take a tensor-core kernel unless the exact kernel is asked for: fp16
 //! `qmm4_f16` at 4 bits, TF32 `qmm_tf32` at other widths.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -54,20 +54,20 @@ pub(crate) struct Epi {
 // SAFETY: `Epi` is `#[repr(C)]` plain data laid out as the C struct of the same name.
 unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for Epi {}
 
-/// The lazily made device copy, kept beside the host matrix.
-#[derive(Default, Clone)]
-pub struct CudaCopy(OnceLock<Arc<GpuQMatrix>>);
-
+/// The matrix on this GPU, uploaded once and kept beside the host matrix.
 pub(crate) fn resident(w: &QMatrix, dev: &CudaDevice) -> candle_core::Result<Arc<GpuQMatrix>> {
-    if let Some(g) = w.device_copy.cuda.0.get() {
-        return Ok(g.clone());
-    }
-    let g = Arc::new(GpuQMatrix {
-        packed: dev.clone_htod(&w.packed[..])?,
-        scales: dev.clone_htod(&w.scales.bytes[..])?,
-        biases: dev.clone_htod(&w.biases.bytes[..])?,
-    });
-    Ok(w.device_copy.cuda.0.get_or_init(|| g).clone())
+    let copy = w
+        .device_copy
+        .get_or_make(|| -> candle_core::Result<GpuQMatrix> {
+            Ok(GpuQMatrix {
+                packed: dev.clone_htod(&w.packed[..])?,
+                scales: dev.clone_htod(&w.scales.bytes[..])?,
+                biases: dev.clone_htod(&w.biases.bytes[..])?,
+            })
+        })?;
+    copy.ok_or_else(|| {
+        candle_core::Error::Msg(format!("{}: copied to another kind of device", w.name))
+    })
 }
 
 fn f32_input<'a>(
@@ -374,7 +374,8 @@ pub fn gather_fwd(
 mod tests {
     //! Kernels against the slow reference on the GPU (a `cuda` build's tests need one).
     use super::*;
-    use crate::engine::quant::{qmatmul, testutil::random_qmatrix, QGather};
+    use crate::engine::quant::op::{qmatmul, QGather};
+    use crate::engine::quant::testutil::random_qmatrix;
     use crate::engine::weights::Dtype;
     use candle_core::{Device, Tensor};
     use rand::{Rng, SeedableRng};

@@ -7,8 +7,7 @@ use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKe
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, Shape};
 
-use crate::engine::sample::op::SampleOp;
-use crate::engine::sample::KernelParams;
+use crate::engine::sample::{kernel_out_len, KernelParams, SampleState};
 
 pub(crate) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/sample.ptx"));
 pub(crate) const MODULE: &str = "bot_sample";
@@ -19,9 +18,11 @@ pub(crate) const THREADS: usize = 1024;
 // SAFETY: `KernelParams` is `#[repr(C)]` plain data laid out as `struct SampleParams`.
 unsafe impl DeviceRepr for KernelParams {}
 
-/// `SampleOp` on a CUDA logits row starting at element `o0`.
+/// The sampler (`sample::op::SampleOp`) on a CUDA logits row starting at element `o0`.
 pub(crate) fn sample_fwd(
-    op: &SampleOp,
+    params: &KernelParams,
+    state: &SampleState,
+    want_keep: bool,
     s: &CudaStorage,
     o0: usize,
     vocab: usize,
@@ -30,20 +31,20 @@ pub(crate) fn sample_fwd(
     let x = s.as_cuda_slice::<f32>()?.slice(o0..o0 + vocab);
     // SAFETY: the kernel copies every logit into `work` before reading it.
     let work = unsafe { dev.alloc::<f32>(vocab)? };
-    let state = dev.clone_htod(&op.state.to_bytes())?;
-    let n = op.out_len(vocab);
+    let state = dev.clone_htod(&state.to_bytes())?;
+    let n = kernel_out_len(vocab, want_keep);
     let out = dev.alloc_zeros::<u8>(n)?;
     let func = dev
         .get_or_load_custom_func(KERNEL, MODULE, PTX)?
         .into_cuda_function();
     let stream = dev.cuda_stream();
     let (head, keep) = (out.slice(0..12), out.slice(12..n));
-    let (v, want_keep) = (vocab as u32, op.want_keep as u32);
+    let (v, want_keep) = (vocab as u32, want_keep as u32);
     let mut b = stream.launch_builder(&func);
     b.arg(&x);
     b.arg(&work);
     b.arg(&v);
-    b.arg(&op.params);
+    b.arg(params);
     b.arg(&state);
     b.arg(&head);
     b.arg(&keep);

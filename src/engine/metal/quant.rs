@@ -20,10 +20,6 @@ pub struct MetalQMatrix {
     biases: Arc<Buffer>,
 }
 
-/// The lazily made device copy, kept beside the host matrix.
-#[derive(Default, Clone)]
-pub struct MetalCopy(OnceLock<Arc<MetalQMatrix>>);
-
 fn err(e: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::Msg(format!("bot metal kernels: {e}"))
 }
@@ -82,16 +78,20 @@ pub fn native_kernels_available(dev: &MetalDevice) -> std::result::Result<(), St
         .map_err(|e| e.to_string())
 }
 
+/// The matrix on this GPU, uploaded once and kept beside the host matrix.
 fn resident(w: &QMatrix, dev: &MetalDevice) -> candle_core::Result<Arc<MetalQMatrix>> {
-    if let Some(g) = w.device_copy.metal.0.get() {
-        return Ok(g.clone());
-    }
-    let g = Arc::new(MetalQMatrix {
-        packed: dev.new_buffer_with_data(&w.packed[..])?,
-        scales: dev.new_buffer_with_data(&w.scales.bytes[..])?,
-        biases: dev.new_buffer_with_data(&w.biases.bytes[..])?,
-    });
-    Ok(w.device_copy.metal.0.get_or_init(|| g).clone())
+    let copy = w
+        .device_copy
+        .get_or_make(|| -> candle_core::Result<MetalQMatrix> {
+            Ok(MetalQMatrix {
+                packed: dev.new_buffer_with_data(&w.packed[..])?,
+                scales: dev.new_buffer_with_data(&w.scales.bytes[..])?,
+                biases: dev.new_buffer_with_data(&w.biases.bytes[..])?,
+            })
+        })?;
+    copy.ok_or_else(|| {
+        candle_core::Error::Msg(format!("{}: copied to another kind of device", w.name))
+    })
 }
 
 fn launch(

@@ -7,7 +7,7 @@ use candle_core::{DType, MetalStorage, Shape};
 use objc2_metal::MTLSize;
 
 use crate::engine::metal::quant::{pipeline, Lib};
-use crate::engine::sample::op::SampleOp;
+use crate::engine::sample::{kernel_out_len, KernelParams, SampleState};
 
 /// Mirrors `struct SampleShape` in `metal/sample.metal`.
 #[repr(C)]
@@ -16,9 +16,11 @@ struct SampleShape {
     want_keep: u32,
 }
 
-/// `SampleOp` on a Metal logits row starting at element `o0`.
+/// The sampler (`sample::op::SampleOp`) on a Metal logits row starting at element `o0`.
 pub(crate) fn sample_fwd(
-    op: &SampleOp,
+    params: &KernelParams,
+    state: &SampleState,
+    want_keep: bool,
     s: &MetalStorage,
     o0: usize,
     vocab: usize,
@@ -31,12 +33,12 @@ pub(crate) fn sample_fwd(
         candle_core::bail!("the Metal sampler needs 32 threads a threadgroup, got {threads}");
     }
     let work = dev.new_buffer(vocab, DType::F32, "bot-sample-work")?;
-    let state = dev.new_buffer_with_data(&op.state.to_bytes())?;
-    let n = op.out_len(vocab);
+    let state = dev.new_buffer_with_data(&state.to_bytes())?;
+    let n = kernel_out_len(vocab, want_keep);
     let out = dev.new_buffer(n, DType::U8, "bot-sample-out")?;
     let shape = SampleShape {
         vocab: vocab as u32,
-        want_keep: op.want_keep as u32,
+        want_keep: want_keep as u32,
     };
     let guard = dev.command_encoder()?;
     let enc = guard.as_ref();
@@ -45,11 +47,11 @@ pub(crate) fn sample_fwd(
     enc.set_input_buffer(0, Some(s.buffer()), o0 * 4);
     enc.set_output_buffer(1, Some(&work), 0);
     enc.set_bytes(2, &shape);
-    enc.set_bytes(3, &op.params);
+    enc.set_bytes(3, params);
     enc.set_input_buffer(4, Some(&state), 0);
     enc.set_output_buffer(5, Some(&out), 0);
     // without the mask the kernel never writes `keep`: bind the same buffer at its start
-    enc.set_output_buffer(6, Some(&out), if op.want_keep { 12 } else { 0 });
+    enc.set_output_buffer(6, Some(&out), if want_keep { 12 } else { 0 });
     let one = MTLSize {
         width: 1,
         height: 1,

@@ -236,6 +236,12 @@ pub fn metal_source() -> String {
 /// Vocabularies the kernels handle: the index radix select takes two 10-bit digits.
 pub const MAX_KERNEL_VOCAB: usize = 1 << 20;
 
+/// Bytes the sampler kernel writes for `vocab` logits: three u32 words
+/// (`decode_kernel_output`), then with `want_keep` one kept-or-not byte per token.
+pub fn kernel_out_len(vocab: usize, want_keep: bool) -> usize {
+    12 + if want_keep { vocab } else { 0 }
+}
+
 /// Which draw this is: a post's seed and the index of the token within it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Draw {

@@ -42,7 +42,7 @@ impl SampleOp {
 
     /// Bytes the op returns for `vocab` logits.
     pub fn out_len(&self, vocab: usize) -> usize {
-        12 + if self.want_keep { vocab } else { 0 }
+        crate::engine::sample::kernel_out_len(vocab, self.want_keep)
     }
 }
 
@@ -108,7 +108,14 @@ impl CustomOp1 for SampleOp {
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let (o0, vocab) = self.check(l)?;
-        crate::engine::cuda::sample::sample_fwd(self, s, o0, vocab)
+        crate::engine::cuda::sample::sample_fwd(
+            &self.params,
+            &self.state,
+            self.want_keep,
+            s,
+            o0,
+            vocab,
+        )
     }
 
     #[cfg(bot_metal)]
@@ -118,6 +125,13 @@ impl CustomOp1 for SampleOp {
         l: &Layout,
     ) -> candle_core::Result<(candle_core::MetalStorage, Shape)> {
         let (o0, vocab) = self.check(l)?;
-        crate::engine::metal::sample::sample_fwd(self, s, o0, vocab)
+        crate::engine::metal::sample::sample_fwd(
+            &self.params,
+            &self.state,
+            self.want_keep,
+            s,
+            o0,
+            vocab,
+        )
     }
 }
