@@ -1,11 +1,11 @@
 //! Exit codes for scripts and schedulers (documented in README.md, "Exit codes").
 
+use crate::app::hub::HubError;
+use crate::app::settings::SettingsError;
 use crate::bluesky::xrpc::XrpcError;
 use crate::bluesky::BlueskyError;
-use crate::cli::BadArgument;
+use crate::cmd::cli::BadArgument;
 use crate::generate::GenerateError;
-use crate::hub::HubError;
-use crate::settings::SettingsError;
 
 pub const OK: i32 = 0;
 /// Anything not listed below.
@@ -75,19 +75,28 @@ pub fn code(e: &anyhow::Error) -> i32 {
                 _ => CONFIG,
             };
         }
-        if cause.downcast_ref::<crate::schedule::Locked>().is_some() {
+        if cause
+            .downcast_ref::<crate::app::schedule::Locked>()
+            .is_some()
+        {
             return LOCKED;
         }
         if cause
-            .downcast_ref::<crate::schedule::UnsafeValue>()
+            .downcast_ref::<crate::app::schedule::UnsafeValue>()
             .is_some()
         {
             return CONFIG;
         }
-        if cause.downcast_ref::<crate::store::DraftError>().is_some() {
+        if cause
+            .downcast_ref::<crate::app::store::DraftError>()
+            .is_some()
+        {
             return CONFIG;
         }
-        if cause.downcast_ref::<crate::posting::Refused>().is_some() {
+        if cause
+            .downcast_ref::<crate::app::publish::Refused>()
+            .is_some()
+        {
             return REFUSED;
         }
     }

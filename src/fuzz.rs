@@ -5,12 +5,12 @@
 
 use std::path::Path;
 
+use crate::app::schedule::{render_cron, render_plist, Job};
 use crate::bluesky::record;
 use crate::engine::config::Qwen3Config;
 use crate::engine::lora::Adapter;
 use crate::engine::weights::{parse_header, SafetensorsFile};
 use crate::generate::postprocess;
-use crate::schedule::{render_cron, render_plist, Job};
 
 /// The safetensors header parser: whatever it accepts lies inside the data section, does not
 /// overlap, and reads back at the sizes its dtype and shape say.

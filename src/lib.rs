@@ -2,20 +2,10 @@
 //! quantized format, on the user's own machine. The binary (`main.rs`) only parses and
 //! dispatches; everything it runs lives here so tests can call it directly.
 
-pub mod bench;
+pub mod app;
 pub mod bluesky;
-pub mod cli;
-pub mod commands;
-pub mod debug;
-pub mod dedup;
-pub mod doctor;
+pub mod cmd;
 pub mod engine;
 pub mod exit;
 pub mod fuzz;
 pub mod generate;
-pub mod hub;
-pub mod posting;
-pub mod queue;
-pub mod schedule;
-pub mod settings;
-pub mod store;

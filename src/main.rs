@@ -2,44 +2,44 @@
 
 use clap::Parser;
 
-use bot::cli::{Cli, Command, ConfigCommand, DebugCommand, QueueCommand, ScheduleCommand};
+use bot::cmd::cli::{Cli, Command, ConfigCommand, DebugCommand, QueueCommand, ScheduleCommand};
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     let config = cli.config.as_deref();
     let profile = cli.profile.as_deref();
     match cli.command {
-        Command::Generate(args) => bot::commands::generate(config, profile, &args),
-        Command::Config(ConfigCommand::Show) => bot::commands::config_show(config, profile),
-        Command::Post(args) => bot::posting::post(config, profile, &args),
-        Command::Delete(args) => bot::posting::delete(config, profile, &args),
-        Command::Draft(args) => bot::queue::draft(config, profile, &args),
+        Command::Generate(args) => bot::cmd::generate::generate(config, profile, &args),
+        Command::Config(ConfigCommand::Show) => bot::cmd::generate::config_show(config, profile),
+        Command::Post(args) => bot::cmd::post::post(config, profile, &args),
+        Command::Delete(args) => bot::cmd::post::delete(config, profile, &args),
+        Command::Draft(args) => bot::cmd::queue::draft(config, profile, &args),
         Command::Queue(QueueCommand::List { json, status }) => {
-            bot::queue::list(config, profile, json, status.as_deref())
+            bot::cmd::queue::list(config, profile, json, status.as_deref())
         }
         Command::Queue(QueueCommand::Approve { ids }) => {
-            bot::queue::decide(config, profile, &ids, true)
+            bot::cmd::queue::decide(config, profile, &ids, true)
         }
         Command::Queue(QueueCommand::Reject { ids }) => {
-            bot::queue::decide(config, profile, &ids, false)
+            bot::cmd::queue::decide(config, profile, &ids, false)
         }
-        Command::Queue(QueueCommand::Clear) => bot::queue::clear(config, profile),
-        Command::Review(args) => bot::queue::review(config, profile, &args),
-        Command::Run(args) => bot::schedule::run(config, profile, &args),
+        Command::Queue(QueueCommand::Clear) => bot::cmd::queue::clear(config, profile),
+        Command::Review(args) => bot::cmd::queue::review(config, profile, &args),
+        Command::Run(args) => bot::cmd::schedule::run(config, profile, &args),
         Command::Schedule(ScheduleCommand::Install(spec)) => {
-            bot::schedule::install(config, profile, &spec)
+            bot::cmd::schedule::install(config, profile, &spec)
         }
         Command::Schedule(ScheduleCommand::Show { target }) => {
-            bot::schedule::show(config, profile, target)
+            bot::cmd::schedule::show(config, profile, target)
         }
         Command::Schedule(ScheduleCommand::Remove { target }) => {
-            bot::schedule::remove(config, profile, target)
+            bot::cmd::schedule::remove(config, profile, target)
         }
-        Command::Log(args) => bot::schedule::log(config, profile, args.n),
-        Command::Whoami(args) => bot::posting::whoami(config, profile, &args),
-        Command::LabelBot(args) => bot::posting::label_bot(config, profile, &args),
-        Command::Bench(args) => bot::bench::run(&args),
-        Command::Doctor => bot::doctor::run(config, profile),
-        Command::Debug(DebugCommand::Forward(args)) => bot::debug::forward(&args),
+        Command::Log(args) => bot::cmd::schedule::log(config, profile, args.n),
+        Command::Whoami(args) => bot::cmd::post::whoami(config, profile, &args),
+        Command::LabelBot(args) => bot::cmd::post::label_bot(config, profile, &args),
+        Command::Bench(args) => bot::cmd::bench::run(&args),
+        Command::Doctor => bot::cmd::doctor::run(config, profile),
+        Command::Debug(DebugCommand::Forward(args)) => bot::cmd::debug::forward(&args),
     }
 }
 

@@ -322,9 +322,9 @@ fn queue_publishing_is_exactly_once() {
             .unwrap(),
     );
     {
-        let store = bot::store::Store::open(home.path()).unwrap();
+        let store = bot::app::store::Store::open(home.path()).unwrap();
         store
-            .add_pending(&bot::store::NewPost {
+            .add_pending(&bot::app::store::NewPost {
                 account: &acct.did,
                 service: &pds.service,
                 rkey: "3kzzzzzzzzzz2",
@@ -344,13 +344,17 @@ fn queue_publishing_is_exactly_once() {
     ok_stdout(c.args(["post", "--next"]).output().unwrap());
     assert_eq!(list_posts(&pds, &acct.did).len(), 2);
     assert_eq!(drafts(home.path())[1]["status"], "posted");
-    let store = bot::store::Store::open(home.path()).unwrap();
+    let store = bot::app::store::Store::open(home.path()).unwrap();
     assert_eq!(
-        store.count_posts(bot::store::PostStatus::Failed).unwrap(),
+        store
+            .count_posts(bot::app::store::PostStatus::Failed)
+            .unwrap(),
         1
     );
     assert_eq!(
-        store.count_posts(bot::store::PostStatus::Pending).unwrap(),
+        store
+            .count_posts(bot::app::store::PostStatus::Pending)
+            .unwrap(),
         0
     );
 
@@ -523,9 +527,11 @@ fn two_profiles_keep_separate_sessions_and_accounts() {
     assert_eq!(list_posts(&pds, &a.did).len(), 2);
     assert_eq!(list_posts(&pds, &b.did).len(), 2);
     for p in ["a", "b"] {
-        let store = bot::store::Store::open(&home.path().join("profiles").join(p)).unwrap();
+        let store = bot::app::store::Store::open(&home.path().join("profiles").join(p)).unwrap();
         assert_eq!(
-            store.count_posts(bot::store::PostStatus::Posted).unwrap(),
+            store
+                .count_posts(bot::app::store::PostStatus::Posted)
+                .unwrap(),
             2,
             "profile {p}"
         );

@@ -1,26 +1,29 @@
-//! The user-facing commands' glue: settings → model → posts on stdout, diagnostics on stderr.
+//! The command handlers (what `main.rs` dispatches to) and their shared glue: settings from
+//! the command line, the model loaded with progress on stderr, the product on stdout.
+
+pub mod bench;
+pub mod cli;
+pub mod debug;
+pub mod doctor;
+pub mod generate;
+pub mod post;
+pub mod queue;
+pub mod schedule;
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
-use std::time::{Instant, SystemTime};
+use std::time::Instant;
 
 use anyhow::Context;
 use clap::ValueEnum;
 
-use crate::bluesky::record;
-use crate::cli::{BadArgument, GenerateArgs, ModelArgs, SamplingArgs};
+use crate::app::hub::{self, HubEnv, Kind};
+use crate::app::settings::{process_env, Overrides, Settings};
+use crate::cmd::cli::{BadArgument, GenerateArgs, ModelArgs, SamplingArgs};
 use crate::engine::device::{self, DeviceKind};
 use crate::engine::sample::SamplerParams;
 use crate::engine::Numerics;
-use crate::generate::{self, Event, Generator, Post, PostRequest};
-use crate::hub::{self, HubEnv, Kind};
-use crate::settings::{Overrides, Settings};
-use crate::store::Store;
-
-/// The process environment as the settings layer sees it.
-pub fn process_env(name: &str) -> Option<String> {
-    std::env::var(name).ok()
-}
+use crate::generate::{Event, Generator, Post, PostRequest};
 
 pub fn overrides(m: &ModelArgs, s: &SamplingArgs) -> Overrides {
     Overrides::default()
@@ -95,7 +98,7 @@ pub fn post_request(
 ) -> anyhow::Result<PostRequest> {
     Ok(PostRequest {
         prompt: s.prompt.clone(),
-        prompts: generate::load_prompts(settings.prompts.value.as_deref())?,
+        prompts: crate::generate::load_prompts(settings.prompts.value.as_deref())?,
         system: settings.system.value.clone(),
         sampler: SamplerParams {
             temperature: settings.temperature.value,
@@ -158,71 +161,14 @@ pub fn report_post(p: &Post, i: usize, n: usize) {
     );
 }
 
-pub fn generate(
-    config: Option<&Path>,
-    profile: Option<&str>,
-    args: &GenerateArgs,
-) -> anyhow::Result<()> {
-    let settings = load_settings(config, profile, &overrides(&args.model, &args.sampling))?;
-    let verbose = !args.quiet;
-    let (mut generator, _) = load_generator(&settings, &args.model, verbose)?;
-    let base_seed = args
-        .sampling
-        .seed
-        .unwrap_or_else(|| rand::random::<u32>() as u64);
-    let progress = Progress::new(verbose);
-    let store = if args.save {
-        Some(crate::store::Store::open(&settings.paths.data_dir)?)
-    } else {
-        None
-    };
-    let mut out = std::io::stdout().lock();
-    for i in 0..args.count {
-        let req = post_request(&settings, &args.sampling, base_seed.wrapping_add(i as u64))?;
-        let label = format!("post {}/{}", i + 1, args.count);
-        let post = generator.post(&req, &mut |e| progress.event(&label, &e));
-        progress.finish();
-        let post = post?;
-        if verbose {
-            report_post(&post, i, args.count);
-        }
-        if let Some(store) = &store {
-            let id = save_draft(store, &post, &settings)?;
-            if verbose {
-                eprintln!("saved as draft {id}");
-            }
-        }
-        if args.json {
-            writeln!(out, "{}", serde_json::to_string(&post)?)?;
-        } else if args.null {
-            write!(out, "{}\0", post.text)?;
-        } else {
-            if i > 0 {
-                writeln!(out, "---")?;
-            }
-            writeln!(out, "{}", post.text)?;
-        }
-        out.flush()?;
-    }
-    say_notes(&mut generator.model);
-    Ok(())
-}
-
-pub fn config_show(config: Option<&Path>, profile: Option<&str>) -> anyhow::Result<()> {
-    let settings = load_settings(config, profile, &Overrides::default())?;
-    let pw = process_env("BOT_BSKY_APP_PASSWORD").is_some_and(|s| !s.is_empty());
-    print!("{}", settings.render(pw));
-    Ok(())
-}
-
 /// Sizes the global worker pool once; later calls keep the first size. A count past
 /// `settings::MAX_THREADS` is refused (each is an OS thread; 100000 would hang the start).
 pub fn init_threads(threads: Option<usize>) -> Result<(), BadArgument> {
     if let Some(n) = threads {
-        if !(1..=crate::settings::MAX_THREADS).contains(&n) {
+        if !(1..=crate::app::settings::MAX_THREADS).contains(&n) {
             return Err(BadArgument(format!(
                 "--threads {n}: expected 1 to {}",
-                crate::settings::MAX_THREADS
+                crate::app::settings::MAX_THREADS
             )));
         }
         let _ = rayon::ThreadPoolBuilder::new()
@@ -230,18 +176,6 @@ pub fn init_threads(threads: Option<usize>) -> Result<(), BadArgument> {
             .build_global();
     }
     Ok(())
-}
-
-pub fn save_draft(store: &Store, p: &Post, settings: &Settings) -> anyhow::Result<i64> {
-    Ok(store.add_draft(
-        &p.text,
-        Some(&p.raw),
-        Some(&p.prompt),
-        Some(p.seed as i64),
-        Some(&settings.model.value),
-        settings.adapter.value.as_deref(),
-        &record::timestamp(SystemTime::now()),
-    )?)
 }
 
 /// Tells the user, on stderr, what the engine noted about how the model runs (fallbacks).

@@ -39,6 +39,11 @@ pub enum SettingsError {
     Missing(String),
 }
 
+/// The process environment as the settings layer sees it.
+pub fn process_env(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
 /// How `config show` prints a value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Show {

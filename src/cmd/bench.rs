@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::Context;
 use serde::Serialize;
 
-use crate::cli::BenchArgs;
+use crate::cmd::cli::BenchArgs;
 use crate::engine::sample::{recent_distinct, Draw, SampleStep, SamplerParams};
 use crate::engine::{self, device, profile, synthetic, Numerics, Qwen3};
 
@@ -68,7 +68,7 @@ pub fn peak_rss_bytes() -> u64 {
 }
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
-    crate::commands::init_threads(args.threads)?;
+    crate::cmd::init_threads(args.threads)?;
     if let (Some(shape), Some(dir)) = (args.synthetic, &args.save) {
         let t = Instant::now();
         synthetic::save(shape, args.seed, dir, args.tokenizer_dir.as_deref())?;
@@ -118,7 +118,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         let m = Qwen3::new(cfg, &store, adapter, &opts)?;
         (m, t.elapsed().as_secs_f64(), format!("synthetic {shape:?}"))
     };
-    crate::commands::say_notes(&mut model);
+    crate::cmd::say_notes(&mut model);
     let vocab = model.cfg.vocab_size.min(151_643) as u64;
     let prompt: Vec<u32> = (0..args.prompt_tokens as u64)
         .map(|i| ((i.wrapping_mul(2_654_435_761) ^ args.seed) % vocab) as u32)
@@ -294,7 +294,7 @@ impl Decoder {
 pub fn parse_sampler(spec: &str) -> anyhow::Result<SamplerParams> {
     let p = match spec.trim() {
         "greedy" => SamplerParams::greedy(),
-        "default" => crate::settings::default_sampler(),
+        "default" => crate::app::settings::default_sampler(),
         s => {
             let mut p = SamplerParams {
                 top_p: 1.0,

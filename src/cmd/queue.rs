@@ -1,20 +1,20 @@
 //! The review queue: `bot draft` fills it, `bot queue` and `bot review` decide, and
-//! `bot post --next` / `bot run --mode queue` publish approved drafts (see `posting`).
+//! `bot post --next` / `bot run --mode queue` publish approved drafts (see `app::publish`).
 
 use std::io::{BufRead, Write};
 use std::path::Path;
 
+use crate::app::settings::{Overrides, Settings};
+use crate::app::store::{DraftStatus, Store};
 use crate::bluesky::record;
-use crate::cli::{DraftArgs, ReviewArgs};
-use crate::commands::{self, load_settings, overrides};
+use crate::cmd::cli::{DraftArgs, ReviewArgs, SamplingArgs};
+use crate::cmd::{self, load_settings, overrides};
 use crate::generate::Generator;
-use crate::settings::{Overrides, Settings};
-use crate::store::{DraftStatus, Store};
 
 fn write_drafts(
     settings: &Settings,
     generator: &mut Generator,
-    sampling: &crate::cli::SamplingArgs,
+    sampling: &SamplingArgs,
     n: usize,
     verbose: bool,
 ) -> anyhow::Result<Vec<i64>> {
@@ -24,19 +24,19 @@ fn write_drafts(
         .unwrap_or_else(|| rand::random::<u32>() as u64);
     let mut ids = Vec::new();
     for i in 0..n {
-        let req = commands::post_request(settings, sampling, base.wrapping_add(i as u64))?;
-        let progress = commands::Progress::new(verbose);
+        let req = cmd::post_request(settings, sampling, base.wrapping_add(i as u64))?;
+        let progress = cmd::Progress::new(verbose);
         let p = generator.post(&req, &mut |e| progress.event("draft", &e));
         progress.finish();
         let p = p?;
-        ids.push(commands::save_draft(&store, &p, settings)?);
+        ids.push(crate::app::drafts::save_draft(&store, &p, settings)?);
     }
     Ok(ids)
 }
 
 pub fn draft(config: Option<&Path>, profile: Option<&str>, args: &DraftArgs) -> anyhow::Result<()> {
     let settings = load_settings(config, profile, &overrides(&args.model, &args.sampling))?;
-    let (mut g, _) = commands::load_generator(&settings, &args.model, !args.quiet)?;
+    let (mut g, _) = cmd::load_generator(&settings, &args.model, !args.quiet)?;
     for id in write_drafts(&settings, &mut g, &args.sampling, args.count, !args.quiet)? {
         println!("{id}");
     }
@@ -170,7 +170,7 @@ pub fn review(
             "g" => {
                 store.set_draft_status(id, DraftStatus::Rejected)?;
                 if generator.is_none() {
-                    generator = Some(commands::load_generator(&settings, &args.model, true)?.0);
+                    generator = Some(cmd::load_generator(&settings, &args.model, true)?.0);
                 }
                 let g = generator
                     .as_mut()

@@ -1,19 +1,13 @@
-//! Scheduled posting: `bot run` (one run under a non-blocking lock, quiet hours, one run-log
-//! line), and `bot schedule` rendering/installing a launchd agent (macOS) or a marked crontab
-//! entry (elsewhere). Rendering is pure; installing is idempotent (the old entry is replaced).
+//! Scheduling (the service behind `bot run` and `bot schedule`): quiet hours and durations,
+//! the run log, and rendering/installing a launchd agent (macOS) or a marked crontab entry
+//! (elsewhere). Rendering is pure; installing is idempotent (the old entry is replaced).
 
 use std::fs::OpenOptions;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
-use serde_json::json;
-
-use crate::cli::BadArgument;
-use crate::cli::{RunArgs, RunMode, ScheduleSpec, ScheduleTarget};
-use crate::commands::{self, load_settings};
-use crate::posting::{self, Guard};
-use crate::settings::{Overrides, Settings};
+use crate::app::settings::Settings;
 
 /// Another run holds the lock.
 #[derive(Debug, thiserror::Error)]
@@ -86,18 +80,7 @@ pub fn wait_outside_quiet(
 /// Longest `--jitter` accepted: a run holds its lock while it waits.
 pub const MAX_JITTER: Duration = Duration::from_secs(6 * 3600);
 
-fn parse_jitter(j: &str) -> Result<Duration, BadArgument> {
-    let d = parse_duration(j).map_err(|e| BadArgument(format!("--jitter {e}")))?;
-    if d > MAX_JITTER {
-        return Err(BadArgument(format!(
-            "--jitter {j} is longer than {} h: a run holds its profile's lock while it waits",
-            MAX_JITTER.as_secs() / 3600
-        )));
-    }
-    Ok(d)
-}
-
-fn local_minute() -> u32 {
+pub fn local_minute() -> u32 {
     let now = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map(|d| d.as_secs() as libc::time_t)
@@ -108,125 +91,11 @@ fn local_minute() -> u32 {
     (tm.tm_hour * 60 + tm.tm_min) as u32
 }
 
-fn append_log(settings: &Settings, entry: serde_json::Value) -> anyhow::Result<()> {
+pub fn append_log(settings: &Settings, entry: serde_json::Value) -> anyhow::Result<()> {
     let path = settings.paths.data_dir.join("runs.jsonl");
     let mut f = OpenOptions::new().create(true).append(true).open(&path)?;
     // One write per line: concurrent appends do not interleave.
     f.write_all(format!("{entry}\n").as_bytes())?;
-    Ok(())
-}
-
-pub fn run(config: Option<&Path>, profile: Option<&str>, args: &RunArgs) -> anyhow::Result<()> {
-    let settings = posting::settings_for(
-        config,
-        profile,
-        &args.account,
-        commands::overrides(&args.model, &args.sampling),
-    )?;
-    crate::bluesky::session::private_dir(&settings.paths.data_dir)?;
-    let lock_path = settings.paths.data_dir.join("run.lock");
-    let lock = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&lock_path)?;
-    if lock.try_lock().is_err() {
-        return Err(Locked(lock_path).into());
-    }
-    let mode = match args.mode {
-        RunMode::Queue => "queue",
-        RunMode::Auto => "auto",
-    };
-    let log = |result: &str, uri: Option<&str>, error: Option<String>| {
-        append_log(
-            &settings,
-            json!({
-                "time": crate::bluesky::record::timestamp(SystemTime::now()),
-                "profile": settings.profile,
-                "mode": mode,
-                "result": result,
-                "uri": uri,
-                "error": error,
-            }),
-        )
-    };
-    let quiet = match &args.quiet_hours {
-        Some(q) => Some(parse_quiet(q).map_err(|e| BadArgument(format!("--quiet-hours {e}")))?),
-        None => None,
-    };
-    let jitter = match &args.jitter {
-        Some(j) => Some(parse_jitter(j)?),
-        None => None,
-    };
-    let wait = jitter.map_or(Duration::ZERO, |max| {
-        Duration::from_millis(rand::random::<u64>() % max.as_millis().max(1) as u64)
-    });
-    if !wait_outside_quiet(quiet, wait, &local_minute, &std::thread::sleep) {
-        eprintln!(
-            "quiet hours ({}): nothing to do",
-            args.quiet_hours.as_deref().unwrap_or_default()
-        );
-        return log("quiet", None, None);
-    }
-    let guard = Guard::from_args(&args.guard)?;
-    let outcome = match args.mode {
-        RunMode::Queue => posting::publish_next(&settings, &guard).map(|r| r.map(|(_, p)| p)),
-        RunMode::Auto => auto(&settings, args, &guard).map(Some),
-    };
-    match outcome {
-        Ok(Some(p)) => {
-            println!("{}", p.uri);
-            log("posted", Some(&p.uri), None)
-        }
-        Ok(None) => {
-            eprintln!("no approved drafts: nothing posted");
-            log("idle", None, None)
-        }
-        Err(e) => {
-            log("error", None, Some(format!("{e:#}")))?;
-            Err(e)
-        }
-    }
-}
-
-fn auto(
-    settings: &Settings,
-    args: &RunArgs,
-    guard: &Guard,
-) -> anyhow::Result<crate::bluesky::Published> {
-    let (mut g, _) = commands::load_generator(settings, &args.model, true)?;
-    let seed = args
-        .sampling
-        .seed
-        .unwrap_or_else(|| rand::random::<u32>() as u64);
-    let post = g.post(
-        &commands::post_request(settings, &args.sampling, seed)?,
-        &mut |_| {},
-    )?;
-    posting::with_account(settings, |client, creds, store| {
-        let id = commands::save_draft(store, &post, settings)?;
-        store.set_draft_status(id, crate::store::DraftStatus::Approved)?;
-        let (_, p) = posting::publish(
-            client,
-            creds,
-            store,
-            &post.text,
-            &settings.langs.value,
-            Some(id),
-            guard,
-        )?;
-        Ok(p)
-    })
-}
-
-pub fn log(config: Option<&Path>, profile: Option<&str>, n: usize) -> anyhow::Result<()> {
-    let settings = load_settings(config, profile, &Overrides::default())?;
-    let text =
-        std::fs::read_to_string(settings.paths.data_dir.join("runs.jsonl")).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    for l in &lines[lines.len().saturating_sub(n)..] {
-        println!("{l}");
-    }
     Ok(())
 }
 
@@ -282,10 +151,10 @@ impl Job {
 /// Environment variables a scheduled run needs to see the settings this shell has: every
 /// non-secret `BOT_*` setting (`settings::SETTINGS`), the Hugging Face cache and endpoint,
 /// and PATH. The app password and HF_TOKEN are secrets and never go into a schedule.
-fn schedule_env(env: &dyn Fn(&str) -> Option<String>) -> Vec<(String, String)> {
+pub fn schedule_env(env: &dyn Fn(&str) -> Option<String>) -> Vec<(String, String)> {
     let names = ["BOT_HOME", "BOT_CONFIG"]
         .into_iter()
-        .chain(crate::settings::env_settings())
+        .chain(crate::app::settings::env_settings())
         .chain([
             "HF_HOME",
             "HF_HUB_CACHE",
@@ -300,7 +169,7 @@ fn schedule_env(env: &dyn Fn(&str) -> Option<String>) -> Vec<(String, String)> {
 
 /// What a scheduled run needs that this shell may have only in its environment: a handle,
 /// and an app password it can read (a file: secrets never go into a schedule).
-fn missing_for_runs(settings: &Settings) -> Vec<String> {
+pub fn missing_for_runs(settings: &Settings) -> Vec<String> {
     let mut missing = Vec::new();
     if settings.handle.value.is_none() {
         missing.push(
@@ -319,59 +188,7 @@ fn missing_for_runs(settings: &Settings) -> Vec<String> {
     missing
 }
 
-fn job(settings: &Settings, spec: &ScheduleSpec) -> anyhow::Result<Job> {
-    let every = parse_duration(&spec.every).map_err(|e| BadArgument(format!("--every {e}")))?;
-    if every < Duration::from_secs(60) || every.as_secs() % 60 != 0 {
-        return Err(BadArgument(format!(
-            "--every {}: schedules run in whole minutes, at least 1m",
-            spec.every
-        ))
-        .into());
-    }
-    let mut args = Vec::new();
-    if let Some(p) = &settings.profile {
-        args.extend(["--profile".to_string(), p.clone()]);
-    }
-    args.extend(["run".to_string(), "--mode".to_string()]);
-    args.push(match spec.mode {
-        RunMode::Queue => "queue".into(),
-        RunMode::Auto => "auto".into(),
-    });
-    if let Some(j) = &spec.jitter {
-        if parse_jitter(j)? >= every {
-            return Err(BadArgument(format!(
-                "--jitter {j} must be shorter than --every {}: runs would overlap",
-                spec.every
-            ))
-            .into());
-        }
-        args.extend(["--jitter".to_string(), j.clone()]);
-    }
-    if let Some(q) = &spec.quiet_hours {
-        parse_quiet(q).map_err(|e| BadArgument(format!("--quiet-hours {e}")))?;
-        args.extend(["--quiet-hours".to_string(), q.clone()]);
-    }
-    let j = Job {
-        label: label(settings),
-        exe: std::env::current_exe()?,
-        args,
-        every,
-        env: schedule_env(&crate::commands::process_env),
-        log_path: settings.paths.data_dir.join("schedule.log"),
-    };
-    j.validate()?;
-    Ok(j)
-}
-
-/// The launchd label and crontab marker of a profile's schedule.
-fn label(settings: &Settings) -> String {
-    format!(
-        "com.github.bot.{}",
-        settings.profile.as_deref().unwrap_or("default")
-    )
-}
-
-fn xml_escape(s: &str) -> String {
+pub fn xml_escape(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")
@@ -418,7 +235,7 @@ pub fn render_plist(j: &Job) -> String {
     s
 }
 
-fn shell_quote(s: &str) -> String {
+pub fn shell_quote(s: &str) -> String {
     if s.chars()
         .all(|c| c.is_ascii_alphanumeric() || "-_./:=,@".contains(c))
     {
@@ -465,20 +282,12 @@ pub fn render_cron(j: &Job) -> Result<String, String> {
     ))
 }
 
-fn default_target() -> ScheduleTarget {
-    if cfg!(target_os = "macos") {
-        ScheduleTarget::Launchd
-    } else {
-        ScheduleTarget::Cron
-    }
-}
-
 /// `crontab` (or `BOT_CRONTAB`, for tests and unusual systems).
-fn crontab_cmd() -> String {
+pub fn crontab_cmd() -> String {
     std::env::var("BOT_CRONTAB").unwrap_or_else(|_| "crontab".into())
 }
 
-fn read_crontab() -> anyhow::Result<String> {
+pub fn read_crontab() -> anyhow::Result<String> {
     let out = std::process::Command::new(crontab_cmd())
         .arg("-l")
         .output()?;
@@ -490,7 +299,7 @@ fn read_crontab() -> anyhow::Result<String> {
     })
 }
 
-fn write_crontab(text: &str) -> anyhow::Result<()> {
+pub fn write_crontab(text: &str) -> anyhow::Result<()> {
     let mut child = std::process::Command::new(crontab_cmd())
         .arg("-")
         .stdin(std::process::Stdio::piped())
@@ -527,7 +336,7 @@ pub fn without_block(crontab: &str, label: &str) -> String {
     s
 }
 
-fn plist_path(label: &str) -> anyhow::Result<PathBuf> {
+pub fn plist_path(label: &str) -> anyhow::Result<PathBuf> {
     let home = directories::BaseDirs::new().ok_or_else(|| anyhow::anyhow!("no home directory"))?;
     Ok(home
         .home_dir()
@@ -535,127 +344,11 @@ fn plist_path(label: &str) -> anyhow::Result<PathBuf> {
         .join(format!("{label}.plist")))
 }
 
-fn launchctl(args: &[&str]) -> anyhow::Result<bool> {
+pub fn launchctl(args: &[&str]) -> anyhow::Result<bool> {
     Ok(std::process::Command::new("launchctl")
         .args(args)
         .status()?
         .success())
-}
-
-pub fn install(
-    config: Option<&Path>,
-    profile: Option<&str>,
-    spec: &ScheduleSpec,
-) -> anyhow::Result<()> {
-    let settings = load_settings(config, profile, &Overrides::default())?;
-    let j = job(&settings, spec)?;
-    let target = spec.target.unwrap_or_else(default_target);
-    let text = match target {
-        ScheduleTarget::Launchd => render_plist(&j),
-        ScheduleTarget::Cron => render_cron(&j).map_err(|e| anyhow::anyhow!(e))?,
-    };
-    let missing = missing_for_runs(&settings);
-    if spec.print {
-        for m in &missing {
-            eprintln!("warning: scheduled runs would lack {m}");
-        }
-        print!("{text}");
-        return Ok(());
-    }
-    if !missing.is_empty() {
-        return Err(crate::settings::SettingsError::Missing(format!(
-            "not installed: scheduled runs would fail for lack of {}",
-            missing.join("; and of ")
-        ))
-        .into());
-    }
-    crate::bluesky::session::private_dir(&settings.paths.data_dir)?;
-    match target {
-        ScheduleTarget::Cron => {
-            let current = read_crontab()?;
-            write_crontab(&(without_block(&current, &j.label) + &text))?;
-            eprintln!("installed the crontab entry {}", j.label);
-        }
-        ScheduleTarget::Launchd => {
-            anyhow::ensure!(
-                cfg!(target_os = "macos"),
-                "launchd exists only on macOS: use --print to see the plist"
-            );
-            let path = plist_path(&j.label)?;
-            std::fs::create_dir_all(path.parent().unwrap_or(Path::new(".")))?;
-            let domain = format!("gui/{}", unsafe { libc::getuid() });
-            let _ = launchctl(&["bootout", &domain, &path.display().to_string()]);
-            std::fs::write(&path, text)?;
-            anyhow::ensure!(
-                launchctl(&["bootstrap", &domain, &path.display().to_string()])?,
-                "launchctl bootstrap {domain} {} failed",
-                path.display()
-            );
-            eprintln!("installed and loaded {}", path.display());
-        }
-    }
-    Ok(())
-}
-
-pub fn show(
-    config: Option<&Path>,
-    profile: Option<&str>,
-    target: Option<ScheduleTarget>,
-) -> anyhow::Result<()> {
-    let settings = load_settings(config, profile, &Overrides::default())?;
-    let label = label(&settings);
-    match target.unwrap_or_else(default_target) {
-        ScheduleTarget::Cron => {
-            let c = read_crontab()?;
-            let marker = format!("# bot:{label} ");
-            let mut lines = c.lines().skip_while(|l| !l.starts_with(&marker));
-            match (lines.next(), lines.next()) {
-                (Some(m), Some(l)) => println!("{m}\n{l}"),
-                _ => eprintln!("no crontab entry for {label}"),
-            }
-        }
-        ScheduleTarget::Launchd => {
-            let p = plist_path(&label)?;
-            match std::fs::read_to_string(&p) {
-                Ok(t) => print!("{t}"),
-                Err(_) => eprintln!("no launchd agent at {}", p.display()),
-            }
-        }
-    }
-    Ok(())
-}
-
-pub fn remove(
-    config: Option<&Path>,
-    profile: Option<&str>,
-    target: Option<ScheduleTarget>,
-) -> anyhow::Result<()> {
-    let settings = load_settings(config, profile, &Overrides::default())?;
-    let label = label(&settings);
-    match target.unwrap_or_else(default_target) {
-        ScheduleTarget::Cron => {
-            let c = read_crontab()?;
-            let without = without_block(&c, &label);
-            if without != c {
-                write_crontab(&without)?;
-                eprintln!("removed the crontab entry {label}");
-            } else {
-                eprintln!("no crontab entry for {label}");
-            }
-        }
-        ScheduleTarget::Launchd => {
-            let p = plist_path(&label)?;
-            if p.exists() {
-                let domain = format!("gui/{}", unsafe { libc::getuid() });
-                let _ = launchctl(&["bootout", &domain, &p.display().to_string()]);
-                std::fs::remove_file(&p)?;
-                eprintln!("removed {}", p.display());
-            } else {
-                eprintln!("no launchd agent at {}", p.display());
-            }
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

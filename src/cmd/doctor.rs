@@ -7,9 +7,9 @@
 use std::path::Path;
 use std::time::Duration;
 
-use crate::commands::load_settings;
+use crate::app::hub::{looks_like_repo, HubEnv};
+use crate::cmd::load_settings;
 use crate::engine::device::{self, DeviceKind};
-use crate::hub::{looks_like_repo, HubEnv};
 
 fn line(k: &str, v: impl std::fmt::Display) {
     println!("{k:<16} {v}");

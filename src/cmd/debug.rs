@@ -6,8 +6,8 @@ use std::io::Write;
 use anyhow::Context;
 use serde::Serialize;
 
-use crate::cli::ForwardArgs;
-use crate::commands;
+use crate::cmd;
+use crate::cmd::cli::ForwardArgs;
 use crate::engine::{self, Numerics};
 
 #[derive(Serialize)]
@@ -17,14 +17,14 @@ struct ForwardReport {
 }
 
 pub fn forward(args: &ForwardArgs) -> anyhow::Result<()> {
-    commands::init_threads(args.threads)?;
+    cmd::init_threads(args.threads)?;
     let opts = args
         .engine
         .options(crate::engine::device::select(args.device)?, Numerics::Exact);
     let mut model = engine::load(&args.model, args.adapter.as_deref(), &opts)
         .with_context(|| format!("loading the model from {}", args.model.display()))?;
     let (last_logits, greedy_ids) = model.greedy(&args.ids, args.steps)?;
-    commands::say_notes(&mut model);
+    cmd::say_notes(&mut model);
     let mut out = std::io::stdout().lock();
     serde_json::to_writer(
         &mut out,
