@@ -16,6 +16,11 @@ pub(super) struct Dims {
 }
 
 impl Dims {
+    /// Attention's score scale, `head_dim^-0.5`.
+    pub(super) fn scale(&self) -> f32 {
+        (self.hd as f32).powf(-0.5)
+    }
+
     pub(super) fn qkv(&self) -> usize {
         (self.nh + 2 * self.nkv) * self.hd
     }

@@ -39,12 +39,14 @@ mod buffers;
 mod eligible;
 #[cfg(test)]
 mod kernel_tests;
+mod kernels;
 mod launch;
 mod step;
 mod weights;
 
 use buffers::{Buffers, Cache, Dims};
 pub(crate) use eligible::unsupported;
+use kernels::AttentionIo;
 use launch::{pdl_available, ptr, Arg};
 use weights::{quant, DecodeShape, Layer, Proj};
 

@@ -43,20 +43,7 @@ impl FusedQwen3 {
         };
         if let Some(l) = &p.lora {
             let t = ptr(&self.bufs.t, st);
-            self.launch(
-                "lora_a_f32",
-                (l.rtot, rows),
-                256,
-                &[
-                    Arg::P(x),
-                    Arg::P(ptr(&l.at, st)),
-                    Arg::P(t),
-                    Arg::I(p.k as i32),
-                    Arg::I(l.rtot as i32),
-                    Arg::P(nw),
-                    Arg::F(self.d.eps),
-                ],
-            )?;
+            self.lora_a(x, ptr(&l.at, st), t, (rows, p.k, l.rtot), nw)?;
             epi.lora_t = t;
             epi.lora_bt = ptr(&l.bt, st);
             epi.r = l.r as i32;
@@ -212,23 +199,6 @@ impl FusedQwen3 {
         self.launch_as(tag, "qmm_reduce", grid, 256, 0, &red)
     }
 
-    pub(super) fn rms_norm(
-        &self,
-        src: u64,
-        w: &CudaSlice<f32>,
-        dst: u64,
-        rows: usize,
-    ) -> Result<()> {
-        let a = [
-            Arg::P(src),
-            Arg::P(ptr(w, &self.stream)),
-            Arg::P(dst),
-            Arg::I(self.d.h as i32),
-            Arg::F(self.d.eps),
-        ];
-        self.launch("rms_norm_f32", (rows, 1), 256, &a)
-    }
-
     /// Every kernel of a forward over `m` rows, in order, on the stream; with `sample`, the
     /// sampler after the head (on the last row's logits, which it penalizes in place).
     pub(super) fn issue(
@@ -249,23 +219,7 @@ impl FusedQwen3 {
             ptr(&b.act, st),
         );
         let pos = ptr(&self.pos, st);
-        let e = &self.embed;
-        self.launch(
-            "qgather_f32",
-            ((d.h / 16).div_ceil(128), m),
-            128,
-            &[
-                Arg::P(ptr(&b.ids, st)),
-                Arg::P(ptr(&e.w.packed, st)),
-                Arg::P(ptr(&e.w.scales, st)),
-                Arg::P(ptr(&e.w.biases, st)),
-                Arg::P(x),
-                Arg::I(d.h as i32),
-                Arg::I(e.bits as i32),
-                Arg::I(e.group_size as i32),
-                Arg::I(e.sdtype),
-            ],
-        )?;
+        self.embed(ptr(&b.ids, st), x, m)?;
         let keep =
             |h: &mut Option<&mut Vec<Vec<f32>>>, src: &CudaSlice<f32>, n: usize| -> Result<()> {
                 if let Some(h) = h {
@@ -279,98 +233,29 @@ impl FusedQwen3 {
         keep(&mut hidden, &b.x, m * d.h)?;
         // the final norm's output is a hidden state, so it is materialized when kept
         let fuse = hidden.is_none();
-        let half = d.hd / 2;
-        let (attention, attention_decode) = match d.hd {
-            32 => ("attention_f32_hd32", "attention_decode_hd32"),
-            64 => ("attention_f32_hd64", "attention_decode_hd64"),
-            128 => ("attention_f32_hd128", "attention_decode_hd128"),
-            _ => ("attention_f32_hd256", "attention_decode_hd256"),
-        };
-        let scale = (d.hd as f32).powf(-0.5);
         for (i, l) in self.layers.iter().enumerate() {
             self.proj("qkv_proj", &l.qkv, x, m, qkv, 0, Some(&l.in_norm), fuse)?;
-            let (kc, vc) = (ptr(&self.cache.k[i], st), ptr(&self.cache.v[i], st));
-            let (qn, kn) = (ptr(&l.q_norm, st), ptr(&l.k_norm, st));
-            let (cos, sin) = (ptr(&self.cache.cos, st), ptr(&self.cache.sin, st));
+            let io = AttentionIo {
+                qkv,
+                q_norm: ptr(&l.q_norm, st),
+                k_norm: ptr(&l.k_norm, st),
+                kc: ptr(&self.cache.k[i], st),
+                vc: ptr(&self.cache.v[i], st),
+                cos: ptr(&self.cache.cos, st),
+                sin: ptr(&self.cache.sin, st),
+                out: ao,
+            };
             if m == 1 {
                 // q/k norms, RoPE and the cache write happen inside the decode attention
-                self.launch_as(
-                    "attention (+ q/k norm, RoPE, cache write)",
-                    attention_decode,
-                    (d.nh, ATT_SPLITS),
-                    256,
-                    0,
-                    &[
-                        Arg::P(qkv),
-                        Arg::P(qn),
-                        Arg::P(kn),
-                        Arg::P(kc),
-                        Arg::P(vc),
-                        Arg::P(cos),
-                        Arg::P(sin),
-                        Arg::P(ao),
-                        Arg::P(pos),
-                        Arg::I(d.nh as i32),
-                        Arg::I(d.nkv as i32),
-                        Arg::F(scale),
-                        Arg::F(d.eps),
-                        Arg::P(ptr(&b.att_ws, st)),
-                        Arg::P(ptr(&b.att_cnt, st)),
-                    ],
-                )?;
+                self.attention_decode(&io, pos)?;
             } else {
-                self.launch(
-                    "qk_norm_rope_cache",
-                    (d.nh + d.nkv, m),
-                    half.next_multiple_of(32),
-                    &[
-                        Arg::P(qkv),
-                        Arg::P(qn),
-                        Arg::P(kn),
-                        Arg::P(kc),
-                        Arg::P(vc),
-                        Arg::P(cos),
-                        Arg::P(sin),
-                        Arg::P(pos),
-                        Arg::I(d.nh as i32),
-                        Arg::I(d.nkv as i32),
-                        Arg::I(d.hd as i32),
-                        Arg::F(d.eps),
-                    ],
-                )?;
-                self.launch_as(
-                    "attention",
-                    attention,
-                    (d.nh, m),
-                    256,
-                    0,
-                    &[
-                        Arg::P(qkv),
-                        Arg::P(kc),
-                        Arg::P(vc),
-                        Arg::P(ao),
-                        Arg::P(pos),
-                        Arg::I(d.nh as i32),
-                        Arg::I(d.nkv as i32),
-                        Arg::F(scale),
-                    ],
-                )?;
+                self.qk_norm_rope_cache(&io, pos, m)?;
+                self.attention(&io, pos, m)?;
             }
             self.proj("o_proj", &l.o, ao, m, x, x, None, fuse)?;
             self.proj("gate_up_proj", &l.gu, x, m, gu, 0, Some(&l.post_norm), fuse)?;
             if !(m == 1 && l.gu.bits == 4) {
-                let total = m * d.inter;
-                self.launch(
-                    "swiglu_f32",
-                    (total.div_ceil(256), 1),
-                    256,
-                    &[
-                        Arg::P(gu),
-                        Arg::P(act),
-                        Arg::I(d.inter as i32),
-                        Arg::I(total as i32),
-                    ],
-                )?;
+                self.swiglu(gu, act, m)?;
             }
             self.proj("down_proj", &l.down, act, m, x, x, None, fuse)?;
             keep(&mut hidden, &b.x, m * d.h)?;
