@@ -115,7 +115,10 @@ fn engine_code(e: &crate::engine::EngineError) -> i32 {
         | E::Config { .. }
         | E::UnsupportedQuantMode { .. }
         | E::Adapter { .. } => CONFIG,
-        E::NotADirectory { .. } | E::NoWeights { .. } | E::FeatureDisabled { .. } => CONFIG,
+        E::NotADirectory { .. }
+        | E::NoWeights { .. }
+        | E::FeatureDisabled { .. }
+        | E::MetalUnavailable(_) => CONFIG,
         E::ContextFull { .. } | E::TokenOutOfRange { .. } => USAGE,
         E::NonFiniteLogits => GENERATION,
         E::Internal(_) | E::Candle(_) => OTHER,

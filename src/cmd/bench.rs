@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use crate::cmd::cli::BenchArgs;
 use crate::engine::sample::{recent_distinct, Draw, SampleStep, SamplerParams};
-use crate::engine::{self, device, profile, synthetic, Numerics, Qwen3};
+use crate::engine::{self, profile, synthetic, Numerics, Qwen3};
 
 #[derive(Serialize)]
 pub struct Report {
@@ -85,7 +85,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         );
         return Ok(());
     }
-    let dev = device::select(args.device)?;
+    let dev = crate::cmd::select_device(args.device)?;
     let opts = args.engine.options(dev.clone(), Numerics::Fast);
     let (mut model, load_s, name) = if let Some(dir) = &args.model {
         let t = Instant::now();

@@ -20,7 +20,7 @@ pub fn forward(args: &ForwardArgs) -> anyhow::Result<()> {
     cmd::init_threads(args.threads)?;
     let opts = args
         .engine
-        .options(crate::engine::device::select(args.device)?, Numerics::Exact);
+        .options(cmd::select_device(args.device)?, Numerics::Exact);
     let mut model = engine::load(&args.model, args.adapter.as_deref(), &opts)
         .with_context(|| format!("loading the model from {}", args.model.display()))?;
     let (last_logits, greedy_ids) = model.greedy(&args.ids, args.steps)?;

@@ -1,7 +1,7 @@
 //! `bot doctor`: what this install can use, for the user and for bug reports. Prints one
 //! `key: value` line per check on stdout (no secrets) and never fails on a missing piece: the
-//! point is to show it. Checks the backends compiled in, the devices found (and, on Metal,
-//! whether our kernels compile), the config, the model and adapter locations, and whether the
+//! point is to show it. Checks the backends compiled in, the devices found (and, on a Mac, the
+//! macOS version, the GPU and our kernels' self-test), the config, the model and adapter locations, and whether the
 //! Bluesky service answers.
 
 use std::path::Path;
@@ -47,17 +47,27 @@ pub fn run(config: Option<&Path>, profile: Option<&str>) -> anyhow::Result<()> {
         features.push("metal");
     }
     line("backends", features.join(", "));
+    #[cfg(bot_metal)]
+    {
+        let host = crate::engine::metal::guard::probe();
+        line("macos", host.macos.as_deref().unwrap_or("unknown"));
+        line(
+            "gpu",
+            match &host.gpu {
+                Some(g) if g.apple_silicon => format!("{} (Apple Silicon)", g.name),
+                Some(g) => format!("{} (not Apple Silicon)", g.name),
+                None => "none found".into(),
+            },
+        );
+    }
     for (name, kind) in [("metal", DeviceKind::Metal), ("cuda", DeviceKind::Cuda)] {
         match device::select(kind) {
-            Ok(_d) => {
-                #[cfg(bot_metal)]
-                if let candle_core::Device::Metal(m) = &_d {
-                    match crate::engine::metal::quant::native_kernels_available(m) {
-                        Ok(()) => line("metal kernels", "compiled (native route)"),
-                        Err(e) => line("metal kernels", format!("FAILED, repack route used: {e}")),
-                    }
-                }
+            Ok(_s) => {
                 line(name, "available");
+                #[cfg(bot_metal)]
+                if let candle_core::Device::Metal(m) = &_s.device {
+                    line("metal self-test", metal_self_test(m));
+                }
             }
             Err(e) => line(name, format!("not available: {e}")),
         }
@@ -65,12 +75,15 @@ pub fn run(config: Option<&Path>, profile: Option<&str>) -> anyhow::Result<()> {
     let auto = device::select(DeviceKind::Auto)?;
     line(
         "device auto",
-        match auto {
+        match auto.device {
             candle_core::Device::Cpu => "cpu",
             candle_core::Device::Cuda(_) => "cuda",
             candle_core::Device::Metal(_) => "metal",
         },
     );
+    if let Some(n) = auto.note {
+        line("device note", n);
+    }
     line(
         "threads",
         std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -129,4 +142,18 @@ pub fn run(config: Option<&Path>, profile: Option<&str>) -> anyhow::Result<()> {
         },
     );
     Ok(())
+}
+
+/// Our Metal kernels, as mlx_lm's 4- and 8-bit models use them, against the slow reference.
+#[cfg(bot_metal)]
+fn metal_self_test(dev: &candle_core::MetalDevice) -> String {
+    use crate::engine::metal::{quant::GpuRunner, selftest};
+    let results = selftest::run_all(&GpuRunner(dev), &selftest::common_variants());
+    match selftest::verdict(&results) {
+        Ok(()) => format!(
+            "{} kernel variants match the reference (native route)",
+            results.len()
+        ),
+        Err(why) => format!("FAILED, models will use the verified route: {why}"),
+    }
 }

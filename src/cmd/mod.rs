@@ -72,7 +72,7 @@ pub fn load_generator(
             settings.device.source
         )
     })?;
-    let opts = m.engine.options(device::select(kind)?, Numerics::Fast);
+    let opts = m.engine.options(select_device(kind)?, Numerics::Fast);
     let t = Instant::now();
     let mut generator = Generator::load(&model_dir, adapter_dir.as_deref(), &opts)
         .with_context(|| format!("loading model {}", model_dir.display()))?;
@@ -179,6 +179,15 @@ pub fn init_threads(threads: Option<usize>) -> Result<(), BadArgument> {
 }
 
 /// Tells the user, on stderr, what the engine noted about how the model runs (fallbacks).
+/// The device for `kind`; why `auto` passed over a GPU goes to stderr.
+pub fn select_device(kind: DeviceKind) -> anyhow::Result<candle_core::Device> {
+    let s = device::select(kind)?;
+    if let Some(n) = s.note {
+        eprintln!("note: {n}");
+    }
+    Ok(s.device)
+}
+
 pub fn say_notes(model: &mut crate::engine::Qwen3) {
     for n in model.take_notes() {
         eprintln!("note: {n}");

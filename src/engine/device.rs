@@ -27,12 +27,38 @@ pub fn init_process() {
     }
 }
 
-pub fn select(kind: DeviceKind) -> Result<Device> {
+/// The device picked, and why `auto` passed over a GPU backend that was compiled in (for the
+/// command to say on stderr).
+pub struct Selection {
+    pub device: Device,
+    pub note: Option<String>,
+}
+
+/// The device for `kind`. An explicit GPU that cannot be used is an error naming the reason;
+/// `auto` falls back to the CPU and says why when a compiled-in backend was refused.
+pub fn select(kind: DeviceKind) -> Result<Selection> {
+    let plain = |device| Selection { device, note: None };
     match kind {
-        DeviceKind::Cpu => Ok(Device::Cpu),
-        DeviceKind::Cuda => cuda(),
-        DeviceKind::Metal => metal(),
-        DeviceKind::Auto => Ok(metal().or_else(|_| cuda()).unwrap_or(Device::Cpu)),
+        DeviceKind::Cpu => Ok(plain(Device::Cpu)),
+        DeviceKind::Cuda => cuda().map(plain),
+        DeviceKind::Metal => metal().map(plain),
+        DeviceKind::Auto => {
+            let mut refused = Vec::new();
+            for (name, make) in [("Metal", metal as fn() -> Result<Device>), ("CUDA", cuda)] {
+                match make() {
+                    Ok(device) => return Ok(plain(device)),
+                    Err(EngineError::FeatureDisabled { .. }) => {}
+                    // built with CUDA but no GPU here is the normal CPU run, not news
+                    Err(_) if name == "CUDA" => {}
+                    Err(e) => refused.push(format!("{name} not used: {e}")),
+                }
+            }
+            Ok(Selection {
+                device: Device::Cpu,
+                note: (!refused.is_empty())
+                    .then(|| format!("{}; running on the CPU", refused.join("; "))),
+            })
+        }
     }
 }
 
@@ -55,9 +81,12 @@ fn cuda() -> Result<Device> {
     })
 }
 
+/// Metal, after the guard (`metal::guard`) has judged this Mac: never a panic.
 #[cfg(bot_metal)]
 fn metal() -> Result<Device> {
-    Ok(Device::new_metal(0)?)
+    use crate::engine::metal::guard;
+    guard::judge(&guard::probe()).map_err(EngineError::MetalUnavailable)?;
+    guard::without_panics(|| Device::new_metal(0)).map_err(EngineError::MetalUnavailable)
 }
 
 #[cfg(not(bot_metal))]

@@ -79,6 +79,10 @@ pub enum EngineError {
         feature: &'static str,
     },
 
+    /// Metal is compiled in but this Mac cannot run it (old macOS, no or non-Apple GPU).
+    #[error("Metal cannot run here: {0}; use --device cpu")]
+    MetalUnavailable(crate::engine::metal::guard::MetalUnavailable),
+
     /// A broken invariant of the engine itself (a bug to report), never a user's mistake.
     #[error("internal error: {0}")]
     Internal(String),

@@ -60,25 +60,6 @@ pub enum QMatmulRoute {
     Repack,
 }
 
-/// On a Mac whose Metal compiler rejects our kernels, the repack route (candle's own Metal
-/// kernels) takes over instead of failing; the note says so.
-#[allow(unused_variables)]
-pub(crate) fn effective_options(opts: &ModelOptions, notes: &mut Vec<String>) -> ModelOptions {
-    #[cfg(bot_metal)]
-    if let (Device::Metal(dev), QMatmulRoute::Native) = (&opts.device, opts.route) {
-        if let Err(e) = crate::engine::metal::quant::native_kernels_available(dev) {
-            notes.push(format!(
-                "Metal: our kernels did not compile ({e}); using --qmatmul repack"
-            ));
-            return ModelOptions {
-                route: QMatmulRoute::Repack,
-                ..opts.clone()
-            };
-        }
-    }
-    opts.clone()
-}
-
 /// A weight matrix [out, in]: MLX-quantized, repacked to candle's Q4_1, or dense (modules
 /// mlx_lm left unquantized).
 #[derive(Debug, Clone)]
@@ -150,6 +131,25 @@ impl Weight {
             _ => Ok(self),
         }
     }
+
+    /// The weight on the verified route, for a device whose own kernels failed the self-test
+    /// (`metal::selftest`): candle's Q4_1 where the repack is exact, else dense f32.
+    pub(crate) fn verified(&self, dev: &Device) -> Result<Self> {
+        let Weight::Quant(q) = self else {
+            return Ok(self.clone());
+        };
+        Ok(match repack::qmatmul(q, dev)? {
+            Ok(mm) => Weight::Repacked {
+                mm: Arc::new(mm),
+                nbytes: q.rows * q.cols / 32 * repack::Q4_1_BLOCK_BYTES,
+            },
+            Err(_) => Weight::Dense(Tensor::from_vec(q.dequantize(), (q.rows, q.cols), dev)?),
+        })
+    }
+
+    pub fn is_native(&self) -> bool {
+        matches!(self, Weight::Quant(_))
+    }
 }
 
 /// A bias-free projection with an optional LoRA branch.
@@ -209,6 +209,9 @@ impl Linear {
 #[derive(Debug, Clone)]
 pub struct Embedding {
     pub weight: Weight,
+    /// Gather on the CPU and copy the rows over: the verified route where the device's own
+    /// gather kernel failed the self-test.
+    pub on_host: bool,
 }
 
 impl Embedding {
@@ -219,8 +222,12 @@ impl Embedding {
                 if let Some(&id) = ids.iter().find(|&&id| id as usize >= q.rows) {
                     return Err(EngineError::TokenOutOfRange { id, vocab: q.rows });
                 }
-                let idx = Tensor::new(ids, dev)?;
-                Ok(idx.apply_op1_no_bwd(&QGather { w: q.clone() })?)
+                let gather = QGather { w: q.clone() };
+                if self.on_host {
+                    let idx = Tensor::new(ids, &Device::Cpu)?;
+                    return Ok(idx.apply_op1_no_bwd(&gather)?.to_device(dev)?);
+                }
+                Ok(Tensor::new(ids, dev)?.apply_op1_no_bwd(&gather)?)
             }
             Weight::Dense(t) => {
                 let idx = Tensor::new(ids, t.device())?;

@@ -14,7 +14,7 @@ use crate::engine::cpu::attention::{self, Dims, HostKv};
 use crate::engine::cpu::sample::CpuSampler;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::layers::{
-    effective_options, rope_angles, Embedding, LayerView, Linear, ModelOptions, ModelView, Weight,
+    rope_angles, Embedding, LayerView, Linear, ModelOptions, ModelView, Weight,
 };
 #[allow(unused_imports)]
 use crate::engine::layers::{CudaStep, QMatmulRoute};
@@ -303,8 +303,7 @@ impl Qwen3 {
         opts: &ModelOptions,
     ) -> Result<Self> {
         let mut adapter = adapter;
-        let mut notes = Vec::new();
-        let opts = &effective_options(opts, &mut notes);
+        let notes = Vec::new();
         check_layer_count(&cfg, store)?;
         let h = cfg.hidden_size;
         let embed = Weight::load(
@@ -337,7 +336,10 @@ impl Qwen3 {
         #[allow(unused_mut)]
         let mut model = Qwen3 {
             norm: rms_norm_weight(store, "model.norm.weight", h, &opts.device)?,
-            embed_tokens: Embedding { weight: embed },
+            embed_tokens: Embedding {
+                weight: embed,
+                on_host: false,
+            },
             layers,
             lm_head,
             cached: Vec::new(),
@@ -360,6 +362,10 @@ impl Qwen3 {
                     "CUDA: {why}; running candle ops instead of the fused step"
                 )),
             }
+        }
+        #[cfg(bot_metal)]
+        if let Device::Metal(dev) = &opts.device {
+            model.verify_metal_kernels(dev)?;
         }
         if opts.route == QMatmulRoute::Repack {
             let total = model.projections().count() + 1;
@@ -426,6 +432,75 @@ impl Qwen3 {
                 &m.down_proj,
             ]
         })
+    }
+
+    /// Every projection and the head, to change their route.
+    fn linears_mut(&mut self) -> impl Iterator<Item = &mut Linear> + '_ {
+        self.layers
+            .iter_mut()
+            .flat_map(|l| {
+                let (a, m) = (&mut l.self_attn, &mut l.mlp);
+                [
+                    &mut a.q_proj,
+                    &mut a.k_proj,
+                    &mut a.v_proj,
+                    &mut a.o_proj,
+                    &mut m.gate_proj,
+                    &mut m.up_proj,
+                    &mut m.down_proj,
+                ]
+            })
+            .chain(std::iter::once(&mut self.lm_head))
+    }
+
+    /// Moves every matrix off our own kernels: candle's Q4_1 kernels where the repack is
+    /// exact, dense f32 elsewhere, the embedding gathered on the CPU. What a Mac whose Metal
+    /// kernels fail the load-time self-test runs; public so that its numerics are tested on
+    /// every device.
+    pub fn use_verified_route(&mut self) -> Result<()> {
+        let dev = self.device.clone();
+        for l in self.linears_mut() {
+            l.weight = l.weight.verified(&dev)?;
+        }
+        self.embed_tokens.on_host = true;
+        Ok(())
+    }
+
+    /// Matrices (projections and head) still on our own quantized kernels.
+    pub fn native_matrices(&self) -> usize {
+        self.projections()
+            .chain(std::iter::once(&self.lm_head.weight))
+            .filter(|w| w.is_native())
+            .count()
+    }
+
+    /// Runs the self-test on every Metal kernel variant this model dispatches; on a failure
+    /// the model moves to the verified route and says so once.
+    #[cfg(bot_metal)]
+    fn verify_metal_kernels(&mut self, dev: &candle_core::MetalDevice) -> Result<()> {
+        use crate::engine::metal::{quant::GpuRunner, selftest};
+        let quant = |w: &Weight| match w {
+            Weight::Quant(q) => Some(crate::engine::quant::QParams::new(q, 1)),
+            _ => None,
+        };
+        let matmuls: Vec<_> = self
+            .projections()
+            .chain(std::iter::once(&self.lm_head.weight))
+            .filter_map(quant)
+            .collect();
+        let gathers: Vec<_> = quant(&self.embed_tokens.weight).into_iter().collect();
+        let variants = selftest::variants(&matmuls, &gathers);
+        if variants.is_empty() {
+            return Ok(());
+        }
+        if let Err(why) = selftest::verdict(&selftest::run_all(&GpuRunner(dev), &variants)) {
+            self.notes.push(format!(
+                "Metal {why}; running the verified route instead (candle's Q4_1 kernels, dense \
+                 f32 where Q4_1 cannot hold a matrix, the embedding gathered on the CPU)"
+            ));
+            self.use_verified_route()?;
+        }
+        Ok(())
     }
 
     fn projections(&self) -> impl Iterator<Item = &Weight> + '_ {

@@ -43,7 +43,9 @@ pub fn test_device() -> candle_core::Device {
         Ok("cpu") | Err(_) => DeviceKind::Cpu,
         Ok(other) => panic!("BOT_TEST_DEVICE={other}: expected cpu, cuda or metal"),
     };
-    select(kind).expect("BOT_TEST_DEVICE names a device this build or machine lacks")
+    select(kind)
+        .expect("BOT_TEST_DEVICE names a device this build or machine lacks")
+        .device
 }
 
 pub fn manifest() -> Value {

@@ -356,6 +356,34 @@ fn repack_route_stays_close_to_mlx_on_4bit_variants() {
     eprintln!("repack worst {worst:.3e}");
 }
 
+/// The verified route a Mac takes when its Metal kernels fail the load-time self-test: every
+/// matrix leaves our kernels (candle's Q4_1 where the repack is exact, dense f32 elsewhere) and
+/// the embedding is gathered on the CPU. On every variant it must stay as close to mlx_lm as
+/// the repack route (4-bit, f16-exact scales) or as the native path (dense).
+#[test]
+fn verified_route_stays_close_to_mlx_on_every_variant() {
+    let repack_tol: f32 = if test_device().is_cpu() { 0.6 } else { 2.0 };
+    for (v, f32n) in variants() {
+        let r = Reference::open(&v);
+        let ids = r.prompt_ids();
+        let mut m = load(&v, true, Numerics::Exact);
+        assert!(m.native_matrices() > 0, "{v}");
+        m.use_verified_route().unwrap();
+        assert_eq!(
+            m.native_matrices(),
+            0,
+            "{v}: a matrix is still on our kernels"
+        );
+        let repacked = m.repacked_projections() > 0;
+        assert_eq!(repacked, v.starts_with("q4") && !f32n, "{v}");
+        let got = to_vec(&m.forward(&ids, true, false).unwrap().logits);
+        let d = max_abs_diff(&got, &r.f32(&key("logits", "lora", f32n)).0);
+        eprintln!("{v} verified route: max |Δ| {d:.3e}");
+        let tol = if repacked { repack_tol } else { LOGIT_TOL };
+        assert!(d <= tol, "{v} verified route: logits differ by {d}");
+    }
+}
+
 /// A model split over two shards with `model.safetensors.index.json` (as large mlx_lm
 /// models are) loads and computes the same logits as the single file.
 #[test]
@@ -415,7 +443,9 @@ fn sharded_model_equals_single_file() {
 fn fused_cuda_step_equals_candle_ops() {
     use bot::engine::device::{select, DeviceKind};
     use bot::engine::CudaStep;
-    let dev = select(DeviceKind::Cuda).expect("a `cuda` build's tests need a GPU");
+    let dev = select(DeviceKind::Cuda)
+        .expect("a `cuda` build's tests need a GPU")
+        .device;
     let rel = |a: &[f32], b: &[f32]| {
         let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
         a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
@@ -516,7 +546,9 @@ fn fused_cuda_sampler_draws_what_the_reference_draws() {
         SamplerParams,
     };
     use bot::engine::CudaStep;
-    let dev = select(DeviceKind::Cuda).expect("a `cuda` build's tests need a GPU");
+    let dev = select(DeviceKind::Cuda)
+        .expect("a `cuda` build's tests need a GPU")
+        .device;
     let mk = |step| {
         let opts = ModelOptions {
             device: dev.clone(),

@@ -1,11 +1,14 @@
-//! The Metal backend: the kernel plan (which MSL kernel and launch geometry for a shape, plain
-//! Rust, tested off-device through `shim`'s C++ runner) is always compiled; the candle ops
-//! that dispatch the kernels exist only where Metal does (`bot_metal`).
+//! The Metal backend. Always compiled, plain Rust, tested on every platform: whether this Mac
+//! can run it (`guard`), which MSL kernel and grid a shape gets (`plan`), and the load-time
+//! self-test of those kernels (`selftest`, run off-device through `shim`'s C++ runner). The
+//! candle ops that dispatch the kernels exist only where Metal does (`bot_metal`).
 
+pub mod guard;
 pub mod plan;
 #[cfg(bot_metal)]
 pub mod quant;
 #[cfg(bot_metal)]
 pub mod sample;
+pub mod selftest;
 #[cfg(test)]
 pub(crate) mod shim;

@@ -60,28 +60,10 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     fn run(plan: &Plan, p: &QParams, x: &[u8], w: &crate::engine::QMatrix) -> Vec<f32> {
-        let dir = tempfile::tempdir().unwrap();
-        let d = dir.path();
-        std::fs::write(d.join("params.bin"), p.to_bytes()).unwrap();
-        std::fs::write(d.join("x.bin"), x).unwrap();
-        std::fs::write(d.join("w.bin"), &w.packed[..]).unwrap();
-        std::fs::write(d.join("s.bin"), &w.scales.bytes[..]).unwrap();
-        std::fs::write(d.join("b.bin"), &w.biases.bytes[..]).unwrap();
-        let st = std::process::Command::new(crate::engine::metal::shim::runner("runner"))
-            .arg(plan.kernel)
-            .arg(d)
-            .args(
-                [plan.grid[0], plan.grid[1], plan.threads[0], plan.threads[1]]
-                    .map(|v| v.to_string()),
-            )
-            .status()
-            .unwrap();
-        assert!(st.success(), "{plan:?}");
-        std::fs::read(d.join("y.bin"))
+        use crate::engine::metal::selftest::Runner;
+        crate::engine::metal::shim::ShimRunner
+            .run(plan, p, x, w)
             .unwrap()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect()
     }
 
     #[test]
@@ -143,6 +125,74 @@ mod tests {
                 w.dequantize_row(id as usize, row);
             }
             assert_eq!(got, want, "bits {bits}");
+        }
+    }
+
+    /// Every projection and the head of Qwen3 0.6B, 4B and 8B takes a fast decode kernel and
+    /// the tiled prompt kernel.
+    #[test]
+    fn qwen3_projections_get_the_fast_kernels() {
+        // (hidden, intermediate, q rows, kv rows)
+        for (h, i, q, kv) in [
+            (1024, 3072, 2048, 1024),
+            (2560, 9728, 4096, 1024),
+            (4096, 12288, 4096, 1024),
+        ] {
+            let shapes = [(q, h), (kv, h), (h, q), (i, h), (h, i), (151936, h)];
+            for bits in [4, 8] {
+                for (n, k) in shapes {
+                    let p = |m| QParams {
+                        m,
+                        n,
+                        k,
+                        bits,
+                        group_size: 64,
+                        sdtype: 0,
+                    };
+                    assert_eq!(
+                        matmul_plan(&p(1)).kernel,
+                        format!("qmv_fast_{bits}"),
+                        "{n}x{k}"
+                    );
+                    assert_eq!(
+                        matmul_plan(&p(QMV_MAX_ROWS)).kernel,
+                        format!("qmv_fast_{bits}")
+                    );
+                    assert_eq!(matmul_plan(&p(64)).kernel, "qmm", "{n}x{k}");
+                }
+            }
+        }
+    }
+
+    /// Qwen3's real K (1024, 4096, 12288), N that fill no tile, and decode and prompt row counts.
+    #[test]
+    fn msl_kernels_at_qwen3_depths_under_the_shim() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        for (n, k, ms) in [
+            (24, 1024, &[1, 5, 64, 100][..]),
+            (20, 4096, &[1, 5, 100][..]),
+            (13, 12288, &[1, 5][..]),
+        ] {
+            let w = random_qmatrix(n, k, 4, 64, Dtype::BF16, k as u64);
+            for &m in ms {
+                let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1f32..1.0)).collect();
+                let p = QParams::new(&w, m);
+                let plan = matmul_plan(&p);
+                let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+                let got = run(&plan, &p, &bytes, &w);
+                let want = w.matmul_reference(&x, m);
+                let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+                let err = got
+                    .iter()
+                    .zip(&want)
+                    .fold(0f32, |a, (g, r)| a.max((g - r).abs()))
+                    / scale;
+                assert!(
+                    err <= 1e-5,
+                    "{} N {n} K {k} M {m}: relative error {err:.2e}",
+                    plan.kernel
+                );
+            }
         }
     }
 }

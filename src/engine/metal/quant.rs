@@ -11,6 +11,7 @@ use candle_metal_kernels::metal::{Buffer, ComputePipeline, Library};
 use objc2_metal::MTLSize;
 
 use crate::engine::metal::plan::{self, Plan, QParams};
+use crate::engine::metal::selftest;
 use crate::engine::quant::QMatrix;
 
 /// A `QMatrix` resident on the GPU.
@@ -70,14 +71,6 @@ pub(crate) fn pipeline(
     Ok(p)
 }
 
-/// Whether the native kernels compile on this Mac; `--qmatmul auto` falls back to the repack
-/// route when they do not.
-pub fn native_kernels_available(dev: &MetalDevice) -> std::result::Result<(), String> {
-    pipeline(dev, Lib::QMatmul, "qmv_generic")
-        .map(|_| ())
-        .map_err(|e| e.to_string())
-}
-
 /// The matrix on this GPU, uploaded once and kept beside the host matrix.
 fn resident(w: &QMatrix, dev: &MetalDevice) -> candle_core::Result<Arc<MetalQMatrix>> {
     let copy = w
@@ -120,6 +113,39 @@ fn launch(
     };
     enc.dispatch_thread_groups(size(plan.grid), size(plan.threads));
     Ok(())
+}
+
+/// The load-time self-test's runner (`metal::selftest`) on this GPU: exactly the dispatch the
+/// forward makes for the plan, waited for and read back. Compiling the library happens here
+/// first, so a source the Metal compiler rejects is a failed variant, not a crash.
+pub struct GpuRunner<'a>(pub &'a MetalDevice);
+
+impl selftest::Runner for GpuRunner<'_> {
+    fn run(
+        &self,
+        plan: &Plan,
+        p: &QParams,
+        input: &[u8],
+        w: &QMatrix,
+    ) -> std::result::Result<Vec<f32>, String> {
+        let dev = self.0;
+        let go = || -> candle_core::Result<Vec<f32>> {
+            let g = resident(w, dev)?;
+            let x = dev.new_buffer_with_data(input)?;
+            let len = if plan.kernel == "qgather" {
+                p.m * p.k
+            } else {
+                p.m * p.n
+            } as usize;
+            let out = dev.new_buffer(len, DType::F32, "bot-selftest")?;
+            launch(dev, plan, p, (&x, 0), &g, &out)?;
+            match MetalStorage::new(out, dev.clone(), len, DType::F32).to_cpu_storage()? {
+                candle_core::CpuStorage::F32(v) => Ok(v),
+                _ => candle_core::bail!("the self-test's output is not f32"),
+            }
+        };
+        go().map_err(|e| e.to_string())
+    }
 }
 
 /// `x (..., cols) -> (..., rows)` on the GPU, f32.

@@ -312,14 +312,15 @@ pub enum Numerics {
     Int8,
 }
 
-#[cfg(test)]
-pub(crate) mod testutil {
+/// Random matrices of valid shape and parameters: test inputs, and the Metal backend's
+/// load-time self-test (`metal::selftest`), which needs them in the shipped binary.
+pub mod random {
     use super::*;
     use half::bf16;
     use rand::{Rng, SeedableRng};
 
     /// A random quantized matrix with valid, non-zero scales and biases, in `sdtype`.
-    pub fn random_qmatrix(
+    pub fn qmatrix(
         rows: usize,
         cols: usize,
         bits: usize,
@@ -363,4 +364,9 @@ pub(crate) mod testutil {
             device_copy: DeviceCopy::default(),
         }
     }
+}
+
+#[cfg(test)]
+pub(crate) mod testutil {
+    pub use super::random::qmatrix as random_qmatrix;
 }
