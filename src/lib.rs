@@ -6,6 +6,7 @@ pub mod app;
 pub mod bluesky;
 pub mod cmd;
 pub mod engine;
+pub mod eval;
 pub mod exit;
 pub mod fuzz;
 pub mod generate;

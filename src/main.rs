@@ -37,6 +37,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Log(args) => bot::cmd::schedule::log(config, profile, args.n),
         Command::Whoami(args) => bot::cmd::post::whoami(config, profile, &args),
         Command::LabelBot(args) => bot::cmd::post::label_bot(config, profile, &args),
+        Command::Eval(args) => bot::cmd::eval::run(config, profile, &args),
         Command::Bench(args) => bot::cmd::bench::run(&args),
         Command::Doctor => bot::cmd::doctor::run(config, profile),
         Command::Debug(DebugCommand::Forward(args)) => bot::cmd::debug::forward(&args),

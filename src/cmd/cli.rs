@@ -62,6 +62,8 @@ pub enum Command {
     /// Inspect the effective configuration.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Loss and perplexity of held-out posts under the model, per adapter (mlx_lm's test loss).
+    Eval(EvalArgs),
     /// Measure load time, prefill and decode speed, memory and bandwidth.
     Bench(BenchArgs),
     /// Show what this install can use: backends, devices, config, model cache, service.
@@ -176,6 +178,35 @@ pub struct GenerateArgs {
     #[arg(short = 'z', long, conflicts_with = "json")]
     pub null: bool,
     /// No progress or timings on stderr
+    #[arg(short, long)]
+    pub quiet: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct EvalArgs {
+    /// Held-out examples: mlx_lm's dataset JSONL ({"messages": [...]}, {"prompt", "completion"} or {"text"})
+    #[arg(long)]
+    pub data: PathBuf,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Also evaluate these adapters (directories or Hub repo ids; `none` for the base model)
+    #[arg(long, num_args = 1..)]
+    pub compare: Vec<String>,
+    /// Evaluate only the first N examples
+    #[arg(long)]
+    pub max_examples: Option<usize>,
+    /// Score the whole conversation, prompt included (mlx_lm's default); by default only the
+    /// last assistant turn (or the completion) is scored, as `mask_prompt` does
+    #[arg(long)]
+    pub no_mask_prompt: bool,
+    /// Also score what mlx_lm's loss scores after each example: the padding id 0 (reproduces
+    /// `mlx_lm.lora --test --batch-size 1 --test-batches -1`)
+    #[arg(long)]
+    pub mlx_pad_target: bool,
+    /// One JSON object per adapter per line
+    #[arg(long)]
+    pub json: bool,
+    /// No progress on stderr
     #[arg(short, long)]
     pub quiet: bool,
 }

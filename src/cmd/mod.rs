@@ -5,6 +5,7 @@ pub mod bench;
 pub mod cli;
 pub mod debug;
 pub mod doctor;
+pub mod eval;
 pub mod generate;
 pub mod post;
 pub mod queue;
@@ -26,9 +27,7 @@ use crate::engine::Numerics;
 use crate::generate::{Event, Generator, Post, PostRequest};
 
 pub fn overrides(m: &ModelArgs, s: &SamplingArgs) -> Overrides {
-    Overrides::default()
-        .with("model", m.model.as_ref())
-        .with("adapter", m.adapter.as_ref())
+    model_overrides(m)
         .with("prompts", s.prompts.as_ref().map(|p| p.display()))
         .with("system", s.system.as_ref())
         .with("temperature", s.temperature)
@@ -39,8 +38,26 @@ pub fn overrides(m: &ModelArgs, s: &SamplingArgs) -> Overrides {
         .with("max_tokens", s.max_tokens)
         .with("min_chars", s.min_chars)
         .with("attempts", s.attempts)
+}
+
+/// The settings the model flags override (every command that loads a model).
+pub fn model_overrides(m: &ModelArgs) -> Overrides {
+    Overrides::default()
+        .with("model", m.model.as_ref())
+        .with("adapter", m.adapter.as_ref())
         .with("device", m.device.as_ref())
         .with("threads", m.threads)
+}
+
+/// The `device` setting, parsed.
+pub fn device_kind(settings: &Settings) -> anyhow::Result<DeviceKind> {
+    DeviceKind::from_str(&settings.device.value, true).map_err(|_| {
+        anyhow::anyhow!(
+            "invalid device {:?} (from {}): expected auto, cpu, cuda or metal",
+            settings.device.value,
+            settings.device.source
+        )
+    })
 }
 
 pub fn load_settings(
@@ -65,14 +82,9 @@ pub fn load_generator(
         (Some(a), false) => Some(hub::resolve(a, Kind::Adapter, &env, verbose, progress)?),
         _ => None,
     };
-    let kind = DeviceKind::from_str(&settings.device.value, true).map_err(|_| {
-        anyhow::anyhow!(
-            "invalid device {:?} (from {}): expected auto, cpu, cuda or metal",
-            settings.device.value,
-            settings.device.source
-        )
-    })?;
-    let opts = m.engine.options(select_device(kind)?, Numerics::Fast);
+    let opts = m
+        .engine
+        .options(select_device(device_kind(settings)?)?, Numerics::Fast);
     let t = Instant::now();
     let mut generator = Generator::load(&model_dir, adapter_dir.as_deref(), &opts)
         .with_context(|| format!("loading model {}", model_dir.display()))?;

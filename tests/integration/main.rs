@@ -6,6 +6,7 @@ mod bluesky_pds;
 mod cli;
 mod common;
 mod engine_vs_mlx;
+mod eval_vs_mlx;
 mod fuzz_corpus;
 mod generate;
 mod hardening;

@@ -1,0 +1,226 @@
+//! `bot eval`'s computation: held-out examples (`data`) rendered as mlx_lm renders training
+//! data (`template`, `mlx_lm/tuner/datasets.py`), scored by the engine's prefill the way
+//! mlx_lm's `default_loss` scores them (`mlx_lm/tuner/trainer.py`): the mean, over every
+//! scored token of the set, of `-log p(token | the tokens before it)`. Pure apart from the
+//! model: the engine does the forward, the scoring here is plain arithmetic on its logits.
+
+pub mod data;
+pub mod template;
+
+use serde_json::{Map, Value};
+
+use crate::engine::{EngineError, Qwen3};
+use crate::generate::chat::{ChatTokenizer, TokenizerError};
+use data::Example;
+use template::{ChatTemplate, TemplateError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EvalError {
+    #[error(transparent)]
+    Data(#[from] data::DataError),
+    #[error(transparent)]
+    Template(#[from] TemplateError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("line {line}: {why}")]
+    Example { line: usize, why: String },
+}
+
+/// One example as token ids, with the first position whose token is scored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tokenized {
+    pub line: usize,
+    pub ids: Vec<u32>,
+    /// Tokens before this index are context only (the masked prompt); at least 1.
+    pub first_scored: usize,
+}
+
+/// How examples become tokens: the template and tokenizer of the model, and whether the
+/// prompt part of chat and completion examples is masked out of the loss (text examples have
+/// no prompt: all of a text is scored either way).
+pub struct Renderer<'a> {
+    pub template: &'a ChatTemplate,
+    pub tokenizer: &'a ChatTokenizer,
+    pub mask_prompt: bool,
+}
+
+impl Renderer<'_> {
+    /// As mlx_lm's `ChatDataset.process` / `CompletionsDataset.process` / `TextDataset.process`:
+    /// the template gets `enable_thinking = true` when the vocabulary has `<think>` (mlx_lm's
+    /// `TokenizerWrapper` passes its `has_thinking`), so Qwen3's last answer carries the empty
+    /// think block, which is scored; the masked prompt is `messages[:-1]` rendered with the
+    /// assistant header when the last message is the assistant's.
+    pub fn tokenize(&self, line: usize, ex: &Example) -> Result<Tokenized, EvalError> {
+        let mut vars = Map::new();
+        if self.tokenizer.tokenizer.token_to_id("<think>").is_some() {
+            vars.insert("enable_thinking".into(), Value::Bool(true));
+        }
+        let chat = |msgs: &[Value], always_header: bool| -> Result<Tokenized, EvalError> {
+            let text = self.template.render(msgs, false, &vars)?;
+            let ids = self.tokenizer.encode(&text)?;
+            let mut first = 1;
+            if self.mask_prompt {
+                let (last, head) = msgs.split_last().unwrap_or((&Value::Null, &[]));
+                let header = always_header || last["role"] == "assistant";
+                let prompt = self.template.render(head, header, &vars)?;
+                first = self.tokenizer.encode(&prompt)?.len().max(1);
+            }
+            Ok(Tokenized {
+                line,
+                ids,
+                first_scored: first,
+            })
+        };
+        let t = match ex {
+            Example::Chat(msgs) => chat(msgs, false)?,
+            Example::Completion { prompt, completion } => chat(
+                &[
+                    serde_json::json!({"role": "user", "content": prompt}),
+                    serde_json::json!({"role": "assistant", "content": completion}),
+                ],
+                true,
+            )?,
+            Example::Text(text) => {
+                let mut ids = self.tokenizer.encode(text)?;
+                // mlx_lm's TextDataset ends every text with the tokenizer's EOS
+                let eos = self
+                    .template
+                    .eos_token()
+                    .and_then(|t| self.tokenizer.tokenizer.token_to_id(t))
+                    .ok_or_else(|| EvalError::Example {
+                        line,
+                        why: "tokenizer_config.json names no eos_token the tokenizer knows, \
+                              to end a text with"
+                            .into(),
+                    })?;
+                if ids.last() != Some(&eos) {
+                    ids.push(eos);
+                }
+                Tokenized {
+                    line,
+                    ids,
+                    first_scored: 1,
+                }
+            }
+        };
+        if t.ids.len() <= t.first_scored {
+            return Err(EvalError::Example {
+                line,
+                why: format!(
+                    "nothing to score: {} tokens, the first {} are prompt",
+                    t.ids.len(),
+                    t.first_scored
+                ),
+            });
+        }
+        Ok(t)
+    }
+}
+
+/// Negative log-likelihood (nats) summed over the scored tokens, and how many there were.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Score {
+    pub nll: f64,
+    pub tokens: usize,
+}
+
+impl Score {
+    pub fn add(&mut self, o: Score) {
+        self.nll += o.nll;
+        self.tokens += o.tokens;
+    }
+
+    /// Mean loss per token (nats).
+    pub fn loss(&self) -> f64 {
+        self.nll / self.tokens as f64
+    }
+
+    pub fn perplexity(&self) -> f64 {
+        self.loss().exp()
+    }
+}
+
+/// Rows of logits computed at once: bounds the memory of a long example (rows x vocab f32).
+const CHUNK: usize = 128;
+
+/// `-log softmax(row)[target]`, in f64.
+pub fn nll(row: &[f32], target: u32) -> f64 {
+    let max = row.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v)) as f64;
+    let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
+    max + sum.ln() - row[target as usize] as f64
+}
+
+/// What mlx_lm's `default_loss` also scores after every example that `max_seq_length` did not
+/// truncate: the prediction of the padding id 0 in the slot after the last token (its mask
+/// runs to the length inclusive). Off by default: it is not part of the text.
+pub const MLX_PAD_ID: u32 = 0;
+
+/// One example through the model from an empty cache: every position's logits predict the
+/// next token; tokens from `first_scored` on are scored. With `mlx_pad`, also the padding id
+/// after the last token, as `mlx_lm.lora --test` does (see `MLX_PAD_ID`).
+pub fn score(model: &mut Qwen3, t: &Tokenized, mlx_pad: bool) -> Result<Score, EngineError> {
+    model.reset();
+    let n = t.ids.len();
+    let inputs = if mlx_pad { &t.ids[..] } else { &t.ids[..n - 1] };
+    model.check_room(inputs.len())?;
+    let vocab = model.cfg.vocab_size;
+    let mut s = Score::default();
+    let mut pos = 0;
+    for chunk in inputs.chunks(CHUNK) {
+        // a chunk whose rows predict only masked tokens needs no logits
+        let wanted = pos + chunk.len() >= t.first_scored;
+        let out = model.forward(chunk, wanted, false)?;
+        if wanted {
+            let logits: Vec<f32> = out.logits.flatten_all()?.to_vec1()?;
+            for (i, row) in logits.chunks_exact(vocab).enumerate() {
+                let target = pos + i + 1;
+                if target >= t.first_scored {
+                    let id = t.ids.get(target).copied().unwrap_or(MLX_PAD_ID);
+                    s.add(Score {
+                        nll: nll(row, id),
+                        tokens: 1,
+                    });
+                }
+            }
+        }
+        pos += chunk.len();
+    }
+    if !s.nll.is_finite() {
+        return Err(EngineError::NonFiniteLogits);
+    }
+    Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nll_is_the_log_softmax_of_the_target() {
+        let row = [1.0f32, 2.0, 3.0];
+        let z: f64 = row.iter().map(|&v| (v as f64).exp()).sum();
+        for t in 0..3 {
+            let want = -((row[t] as f64).exp() / z).ln();
+            assert!((nll(&row, t as u32) - want).abs() < 1e-12);
+        }
+        // large logits do not overflow
+        assert!((nll(&[1000.0, 1000.0], 0) - 2f64.ln()).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_mean_is_per_token_over_the_set() {
+        let mut s = Score::default();
+        s.add(Score {
+            nll: 3.0,
+            tokens: 1,
+        });
+        s.add(Score {
+            nll: 3.0,
+            tokens: 5,
+        });
+        assert_eq!(s.loss(), 1.0);
+        assert!((s.perplexity() - 1f64.exp()).abs() < 1e-12);
+    }
+}
