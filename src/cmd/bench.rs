@@ -16,6 +16,8 @@ pub struct Report {
     pub model: String,
     pub device: String,
     pub kernel: String,
+    /// The CPU kernels' instruction set (`avx2`, `neon`, `scalar`; `BOT_CPU_ISA` overrides).
+    pub cpu_isa: String,
     pub threads: usize,
     pub lora: bool,
     /// The sampler decode ran with (`--sampler`): `greedy`, or its settings.
@@ -186,6 +188,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         model: name,
         device: format!("{dev:?}"),
         kernel: format!("{:?}", opts.kernel).to_lowercase(),
+        cpu_isa: engine::cpu::isa::active().name().into(),
         threads: rayon::current_num_threads(),
         lora: args.adapter.is_some() || args.synthetic_lora,
         sampler: describe(&sampler),
@@ -359,10 +362,11 @@ fn kernel_rows(times: Vec<profile::KernelTime>, tokens: usize) -> Vec<KernelRow>
 fn print_table(r: &Report) {
     println!("model            {}", r.model);
     println!(
-        "device           {} ({} threads, {} kernel{})",
+        "device           {} ({} threads, {} kernel, cpu {}{})",
         r.device,
         r.threads,
         r.kernel,
+        r.cpu_isa,
         if r.lora { ", LoRA" } else { "" }
     );
     println!("sampler          {}", r.sampler);

@@ -85,6 +85,18 @@ pub fn run(config: Option<&Path>, profile: Option<&str>) -> anyhow::Result<()> {
         line("device note", n);
     }
     line(
+        "cpu kernels",
+        match crate::engine::cpu::isa::check_env() {
+            Ok(isa) if isa == crate::engine::cpu::isa::detect() => isa.name().to_string(),
+            Ok(isa) => format!(
+                "{} (BOT_CPU_ISA; detected {})",
+                isa.name(),
+                crate::engine::cpu::isa::detect().name()
+            ),
+            Err(e) => format!("ERROR: {e}"),
+        },
+    );
+    line(
         "threads",
         std::thread::available_parallelism().map_or(1, |n| n.get()),
     );

@@ -176,6 +176,7 @@ pub fn report_post(p: &Post, i: usize, n: usize) {
 /// Sizes the global worker pool once; later calls keep the first size. A count past
 /// `settings::MAX_THREADS` is refused (each is an OS thread; 100000 would hang the start).
 pub fn init_threads(threads: Option<usize>) -> Result<(), BadArgument> {
+    crate::engine::cpu::isa::check_env().map_err(BadArgument)?;
     if let Some(n) = threads {
         if !(1..=crate::app::settings::MAX_THREADS).contains(&n) {
             return Err(BadArgument(format!(

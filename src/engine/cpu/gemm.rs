@@ -20,16 +20,9 @@ const NR: usize = 16;
 /// Bytes of packed activations one `k` block may hold (half of a 512 KiB L2).
 const XBLOCK_BYTES: usize = 256 * 1024;
 
-/// Whether `qgemm` can run here.
+/// Whether `qgemm` can run here (the process's instruction set is AVX2).
 pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    crate::engine::cpu::isa::active() == crate::engine::cpu::isa::Isa::Avx2
 }
 
 /// `y (m x rows) = x (m x cols) @ dequant(w)^T`, f32 values and f32 accumulation. Callers

@@ -1,7 +1,8 @@
-//! The CPU backend: quantized matmul kernels (AVX2 where present, a scalar path everywhere),
-//! the packed prompt GEMM, attention over the KV cache and the sampler.
+//! The CPU backend: quantized matmul kernels (AVX2 on x86-64, NEON on aarch64, a scalar path
+//! everywhere; `isa` picks), the packed prompt GEMM, attention over the KV cache and the sampler.
 
 pub mod attention;
 pub mod gemm;
+pub mod isa;
 pub mod quant;
 pub mod sample;

@@ -3,14 +3,14 @@
 //! - `Exact` (every bit width): each group is dequantized to f32 (`scale * q + bias`, as mlx
 //!   does) in a 128-value stack buffer and reused for all `m` activation rows, so the full
 //!   matrix is never materialized. f32 activations and accumulation.
-//! - `Fast` (4-bit, AVX2): the activations are quantized once per call to 15-bit integers per
+//! - `Fast` (4-bit, AVX2 or NEON): the activations are quantized once per call to 15-bit integers per
 //!   block of 32 (`d = max|x| / 16383`), split as `xq = 128·hi + lo` with `lo` in 0..127 so that
 //!   both halves fit the signed operand of `maddubs`; the 4-bit codes are its unsigned operand.
 //!   Per block `s·d·Σ q·xq` is added, and per group `b·Σx` with the exact f32 `Σx`. Rounding x
 //!   to 15 bits is the only change to the numerics: at most `d/2` per element, about 3e-5 of the
 //!   block's largest value, below what 4-bit weights can resolve and small enough that greedy
 //!   decoding on the mlx_lm fixtures is unchanged (tested).
-//! - `Int8` (4-bit, AVX2): the same with 8-bit activations (llama.cpp's Q8_0 idea): two fewer
+//! - `Int8` (4-bit, AVX2 or NEON): the same with 8-bit activations (llama.cpp's Q8_0 idea): two fewer
 //!   `maddubs` per 64 weights, but an error of up to `max|x|/254` per element that flips
 //!   greedy choices at near-ties.
 //! Threads split the output rows (rayon); each task's rows stay in cache while up to four
@@ -18,6 +18,7 @@
 
 use rayon::prelude::*;
 
+use crate::engine::cpu::isa::{self, Isa};
 use crate::engine::quant::{Numerics, ParamView, QMatrix};
 use crate::engine::weights::Dtype;
 
@@ -28,18 +29,19 @@ pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], kernel: Numerics
     if m == 0 || w.rows == 0 {
         return;
     }
+    let isa = isa::active();
     // the integer kernels read bf16 scales directly (MLX's default); others use `Exact`
     let int = w.params.bits == 4
         && w.scales.dtype == Dtype::BF16
         && w.biases.dtype == Dtype::BF16
-        && avx2::available();
+        && isa != Isa::Scalar;
     match kernel {
         _ if m >= GEMM_MIN_ROWS && crate::engine::cpu::gemm::available() => {
             crate::engine::cpu::gemm::qgemm(w, x, m, y)
         }
         _ if m >= GEMM_MIN_ROWS => tiled_gemm(w, x, m, y),
-        Numerics::Fast if int => int_q4(w, x, m, y, true),
-        Numerics::Int8 if int => int_q4(w, x, m, y, false),
+        Numerics::Fast if int => int_q4(w, x, m, y, true, isa),
+        Numerics::Int8 if int => int_q4(w, x, m, y, false, isa),
         _ => exact(w, x, m, y),
     }
 }
@@ -319,11 +321,21 @@ fn bias_term(v: &View, n: usize, a: &IntActs, i: usize) -> f32 {
         .sum()
 }
 
-fn int_q4(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], split: bool) {
+/// Blocks of 32 values per row, groups per row, log2(group size / 32).
+pub struct RowShape {
+    pub nb: usize,
+    pub gpr: usize,
+    pub gshift: usize,
+}
+
+/// Activation rows that share each unpacked chunk of weights.
+const MR: usize = 4;
+
+fn int_q4(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], split: bool, isa: Isa) {
     let gs = w.params.group_size;
     let a = IntActs::new(x, m, w.cols, gs, split);
     let v = View::new(w);
-    let shape = avx2::RowShape {
+    let shape = RowShape {
         nb: w.cols / 32,
         gpr: v.gpr,
         gshift: (gs / 32).trailing_zeros() as usize,
@@ -336,22 +348,28 @@ fn int_q4(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], split: bool) {
             let bb = &v.biases.raw()[2 * n * v.gpr..2 * (n + 1) * v.gpr];
             let mut i = 0;
             while i < m {
-                let take = (m - i).min(avx2::MR);
-                // SAFETY: `int_q4` is only chosen when AVX2 and FMA were detected at run time
-                // and the scales are bf16; the slices hold one row of codes, scales, biases.
-                unsafe {
-                    avx2::q4_rows(
-                        row,
-                        sb,
-                        bb,
-                        &shape,
-                        &a,
-                        i,
-                        take,
-                        split,
-                        &mut out[i..i + take],
-                    )
-                };
+                let take = (m - i).min(MR);
+                let out = &mut out[i..i + take];
+                // SAFETY: `int_q4` is only chosen when `isa` was detected at run time (AVX2
+                // and FMA, or NEON, with `sdot` for NeonDot) and the scales are bf16; the slices hold one row of codes,
+                // scales and biases, `a` the activations of rows `i..i + take`.
+                match isa {
+                    Isa::Avx2 => unsafe {
+                        avx2::q4_rows(row, sb, bb, &shape, &a, i, take, split, out)
+                    },
+                    Isa::Neon => unsafe {
+                        neon::q4_rows(row, sb, bb, &shape, &a, i, take, split, out)
+                    },
+                    Isa::NeonDot => unsafe {
+                        neon::q4_rows_dot(row, sb, bb, &shape, &a, i, take, split, out)
+                    },
+                    Isa::Scalar => {
+                        for (r, o) in out.iter_mut().enumerate() {
+                            *o = int_row_scalar(&v, gs, n, &a, i + r, 0..shape.nb)
+                                + bias_term(&v, n, &a, i + r);
+                        }
+                    }
+                }
                 i += take;
             }
         }
@@ -374,29 +392,9 @@ pub fn int_q4_scalar(w: &QMatrix, x: &[f32], m: usize, split: bool) -> Vec<f32> 
 }
 
 mod avx2 {
-    use super::IntActs;
+    use super::{IntActs, RowShape};
 
-    /// Activation rows that share each unpacked chunk of weights.
-    pub const MR: usize = 4;
-
-    pub fn available() -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    }
-
-    /// Blocks of 32 values per row, groups per row, log2(group size / 32).
-    pub struct RowShape {
-        pub nb: usize,
-        pub gpr: usize,
-        pub gshift: usize,
-    }
-
+    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     fn bf16(b: &[u8], i: usize) -> f32 {
         f32::from_bits((u16::from_le_bytes([b[2 * i], b[2 * i + 1]]) as u32) << 16)
@@ -528,7 +526,161 @@ mod avx2 {
         _: bool,
         _: &mut [f32],
     ) {
+        unreachable!("the AVX2 kernel is chosen only on x86-64")
     }
+}
+
+/// The integer kernel on ARM NEON (every aarch64 CPU; Apple Silicon's CPU is what runs when
+/// Metal cannot). Per 32-value block, the 16 bytes of codes are split into low and high
+/// nibbles (even and odd positions, as `IntActs` splits the activations) and multiplied with
+/// the int8 activation halves: with the dot-product extension by `sdot` (four products a lane
+/// into i32), else by `smull`/`smlal` into i16 (|15 · 128| · 2 fits) and `sadalp` into i32. The
+/// block's sum is scaled by `s_g · d_b` into four f32 lanes per activation row, reduced once at
+/// the end. The same integer sums as the scalar definition; only the f32 additions are in
+/// another order. `sdot` is written as inline assembly: its intrinsic is not stable yet.
+mod neon {
+    use super::{IntActs, RowShape};
+
+    #[cfg(target_arch = "aarch64")]
+    #[target_feature(enable = "neon")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn q4_rows(
+        row: &[u8],
+        sb: &[u8],
+        bb: &[u8],
+        shape: &RowShape,
+        a: &IntActs,
+        i0: usize,
+        take: usize,
+        split: bool,
+        out: &mut [f32],
+    ) {
+        rows::<false>(row, sb, bb, shape, a, i0, take, split, out)
+    }
+
+    #[cfg(target_arch = "aarch64")]
+    #[target_feature(enable = "neon,dotprod")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn q4_rows_dot(
+        row: &[u8],
+        sb: &[u8],
+        bb: &[u8],
+        shape: &RowShape,
+        a: &IntActs,
+        i0: usize,
+        take: usize,
+        split: bool,
+        out: &mut [f32],
+    ) {
+        rows::<true>(row, sb, bb, shape, a, i0, take, split, out)
+    }
+
+    /// `acc + Σ a·b` over each lane's four int8 pairs.
+    #[cfg(target_arch = "aarch64")]
+    #[target_feature(enable = "neon,dotprod")]
+    #[inline]
+    unsafe fn sdot(
+        acc: std::arch::aarch64::int32x4_t,
+        a: std::arch::aarch64::int8x16_t,
+        b: std::arch::aarch64::int8x16_t,
+    ) -> std::arch::aarch64::int32x4_t {
+        let mut acc = acc;
+        std::arch::asm!(
+            "sdot {acc:v}.4s, {a:v}.16b, {b:v}.16b",
+            acc = inout(vreg) acc,
+            a = in(vreg) a,
+            b = in(vreg) b,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+        acc
+    }
+
+    /// Σ lo·e + hi·o in four i32 lanes: 16 nibbles of each parity against 16 activations.
+    #[cfg(target_arch = "aarch64")]
+    #[inline(always)]
+    unsafe fn dot<const DOT: bool>(
+        lo: std::arch::aarch64::int8x16_t,
+        hi: std::arch::aarch64::int8x16_t,
+        e: *const i8,
+        o: *const i8,
+    ) -> std::arch::aarch64::int32x4_t {
+        use std::arch::aarch64::*;
+        let (e, o) = (vld1q_s8(e), vld1q_s8(o));
+        if DOT {
+            return sdot(sdot(vdupq_n_s32(0), lo, e), hi, o);
+        }
+        let p0 = vmlal_s8(
+            vmull_s8(vget_low_s8(lo), vget_low_s8(e)),
+            vget_low_s8(hi),
+            vget_low_s8(o),
+        );
+        let p1 = vmlal_high_s8(vmull_high_s8(lo, e), hi, o);
+        vpadalq_s16(vpaddlq_s16(p0), p1)
+    }
+
+    #[cfg(target_arch = "aarch64")]
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn rows<const DOT: bool>(
+        row: &[u8],
+        sb: &[u8],
+        bb: &[u8],
+        shape: &RowShape,
+        a: &IntActs,
+        i0: usize,
+        take: usize,
+        split: bool,
+        out: &mut [f32],
+    ) {
+        use std::arch::aarch64::*;
+        let (k, nb, gs) = (a.k, shape.nb, shape.gshift);
+        let bf16 = |b: &[u8], i: usize| {
+            f32::from_bits((u16::from_le_bytes([b[2 * i], b[2 * i + 1]]) as u32) << 16)
+        };
+        let mask = vdupq_n_u8(0x0f);
+        let mut acc = [vdupq_n_f32(0.0); super::MR];
+        for b in 0..nb {
+            let w = vld1q_u8(row.as_ptr().add(b * 16));
+            let lo = vreinterpretq_s8_u8(vandq_u8(w, mask));
+            let hi = vreinterpretq_s8_u8(vshrq_n_u8::<4>(w));
+            let s = bf16(sb, b >> gs);
+            for r in 0..take {
+                let i = i0 + r;
+                let off = i * k / 2 + b * 16;
+                let mut s32 = dot::<DOT>(lo, hi, a.el.as_ptr().add(off), a.ol.as_ptr().add(off));
+                if split {
+                    let h = dot::<DOT>(lo, hi, a.eh.as_ptr().add(off), a.oh.as_ptr().add(off));
+                    s32 = vmlaq_n_s32(s32, h, 128);
+                }
+                acc[r] = vfmaq_n_f32(acc[r], vcvtq_f32_s32(s32), s * a.d[i * nb + b]);
+            }
+        }
+        for r in 0..take {
+            let i = i0 + r;
+            let gsum = &a.gsum[i * shape.gpr..(i + 1) * shape.gpr];
+            out[r] =
+                vaddvq_f32(acc[r]) + (0..shape.gpr).map(|g| bf16(bb, g) * gsum[g]).sum::<f32>();
+        }
+    }
+
+    #[cfg(not(target_arch = "aarch64"))]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn q4_rows(
+        _: &[u8],
+        _: &[u8],
+        _: &[u8],
+        _: &RowShape,
+        _: &IntActs,
+        _: usize,
+        _: usize,
+        _: bool,
+        _: &mut [f32],
+    ) {
+        unreachable!("the NEON kernel is chosen only on aarch64")
+    }
+
+    #[cfg(not(target_arch = "aarch64"))]
+    pub use q4_rows as q4_rows_dot;
 }
 
 #[cfg(test)]
@@ -574,8 +726,8 @@ mod tests {
     }
 
     /// Decode-sized inputs (M < GEMM_MIN_ROWS, including the 4-row blocking and its
-    /// remainder): the AVX2 integer kernels equal their scalar definition (the same integer sums; f32
-    /// rounding only) and stay within their stated bounds of the exact product: 15-bit
+    /// remainder): the integer kernels of every instruction set this CPU runs (AVX2, NEON)
+    /// equal their scalar definition (the same integer sums; f32 rounding only) and stay within their stated bounds of the exact product: 15-bit
     /// activations 1e-4, 8-bit activations 1e-2 (relative to the largest |y|).
     #[test]
     fn integer_kernels_match_scalar_and_exact() {
@@ -594,14 +746,23 @@ mod tests {
                 [(Numerics::Fast, true, 1e-4), (Numerics::Int8, false, 1e-2)]
             {
                 let scalar = int_q4_scalar(&w, &x, m, split);
-                let mut got = vec![0f32; m * 50];
-                qmatmul(&w, &x, m, &mut got, kernel);
-                if avx2::available() {
+                for isa in [Isa::Avx2, Isa::Neon, Isa::Scalar]
+                    .into_iter()
+                    .filter(|i| i.supported())
+                {
+                    let mut got = vec![0f32; m * 50];
+                    int_q4(&w, &x, m, &mut got, split, isa);
                     let e = rel_err(&got, &scalar);
                     assert!(
                         e <= 1e-5,
-                        "{kernel:?} gs {gs} m {m} k {k}: simd vs scalar {e}"
+                        "{isa:?} {kernel:?} gs {gs} m {m} k {k}: vs the scalar definition {e}"
                     );
+                }
+                if isa::active() != Isa::Scalar {
+                    let mut got = vec![0f32; m * 50];
+                    qmatmul(&w, &x, m, &mut got, kernel);
+                    let e = rel_err(&got, &scalar);
+                    assert!(e <= 1e-5, "{kernel:?} through qmatmul: {e}");
                 }
                 let e = rel_err(&scalar, &want);
                 assert!(

@@ -155,8 +155,8 @@ struct Pass {
 /// `max_argmax` (first index of the max; NaN, +inf or nothing finite an error), vectorized.
 fn max_and_first(x: &[f32]) -> Result<(f32, u32), NonFinite> {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2 (checked just above).
+    if crate::engine::cpu::isa::active() == crate::engine::cpu::isa::Isa::Avx2 {
+        // SAFETY: the CPU has AVX2 (`isa` detected it).
         return unsafe { avx2::max_and_first(x) };
     }
     max_argmax(x)
@@ -166,8 +166,8 @@ fn max_and_first(x: &[f32]) -> Result<(f32, u32), NonFinite> {
 /// `CANDIDATE_CUT` of `m` pushed to `pool`.
 fn exp_pass(x: &[f32], m: f32, pool: &mut Vec<Cand>) -> Pass {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU has AVX2 and FMA (checked just above).
+    if crate::engine::cpu::isa::active() == crate::engine::cpu::isa::Isa::Avx2 {
+        // SAFETY: the CPU has AVX2 and FMA (`isa` detected them).
         return unsafe { avx2::exp_pass(x, m, pool) };
     }
     exp_pass_scalar(

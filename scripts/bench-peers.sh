@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# `bot bench` beside llama.cpp's llama-bench on this CPU, same run, alternating, and the ratios.
+#
+#   bash scripts/bench-peers.sh [SHAPE ...]        # default: qwen3-0.6b; also qwen3-4b, qwen3-8b
+#
+# Builds llama-bench from the pinned llama-cpp-python sdist (../shared/peers/build-llama-cpp.sh,
+# ~10 min the first time; PEERS=/path/to/peers overrides where that script is), writes a
+# random Qwen3-shaped Q4_0 GGUF (`--pure`: every matrix Q4_0, the closest byte count to MLX
+# 4-bit group 64) and the same shape as an mlx_lm directory (`bot bench --synthetic --save`),
+# then runs each twice, alternating: `llama-bench -t T -p 64 -n 64 -r 3` and
+# `bot bench --threads T --prompt-tokens 64 --gen-tokens 64 --repeats 3` (default sampler,
+# default kernel: what users run). Prints one table row per run and the ratios bot / llama.cpp.
+# Env: THREADS (default: all cores), ROUNDS (2), BOT (default target/release/bot), WORK (/tmp/bot-peers).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PEERS=${PEERS:-../shared/peers}
+THREADS=${THREADS:-$(nproc)}
+ROUNDS=${ROUNDS:-2}
+BOT=${BOT:-target/release/bot}
+WORK=${WORK:-/tmp/bot-peers}
+SHAPES=("$@"); [ ${#SHAPES[@]} -gt 0 ] || SHAPES=(qwen3-0.6b)
+mkdir -p "$WORK"
+[ -x "$BOT" ] || cargo build --release >&2
+LB=$(bash "$PEERS/build-llama-cpp.sh" cpu)
+GGUF_PY=$(bash "$PEERS/build-llama-cpp.sh" gguf-py)
+PY=${PEERS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/bot-peers}/venv/bin/python
+echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//') ($(nproc) cores; $("$BOT" doctor 2>/dev/null | grep '^cpu kernels' || true))"
+echo "threads $THREADS; llama-bench: $LB"
+for shape in "${SHAPES[@]}"; do
+  g=$WORK/$shape-q4_0-pure.gguf; d=$WORK/$shape-mlx
+  [ -f "$g" ] || PYTHONPATH=$GGUF_PY "$PY" "$PEERS/make_random_gguf.py" --model "$shape" --type q4_0 --pure -o "$g" >&2
+  [ -f "$d/config.json" ] || "$BOT" bench --synthetic "$shape" --save "$d" >&2
+  for r in $(seq "$ROUNDS"); do
+    l=$("$LB" -m "$g" -t "$THREADS" -p 64 -n 64 -r 3 -o json)
+    lp=$(echo "$l" | python3 -c 'import json,sys; r=json.load(sys.stdin); print([x["avg_ts"] for x in r if x["n_prompt"]>0][0])')
+    ld=$(echo "$l" | python3 -c 'import json,sys; r=json.load(sys.stdin); print([x["avg_ts"] for x in r if x["n_gen"]>0][0])')
+    b=$("$BOT" bench --model "$d" --threads "$THREADS" --prompt-tokens 64 --gen-tokens 64 --repeats 3 --json 2>/dev/null)
+    bp=$(echo "$b" | python3 -c 'import json,sys; print(json.load(sys.stdin)["prefill_tok_s"])')
+    bd=$(echo "$b" | python3 -c 'import json,sys; print(json.load(sys.stdin)["decode_tok_s"])')
+    python3 - "$shape" "$r" "$lp" "$ld" "$bp" "$bd" <<'PY'
+import sys
+shape, r, lp, ld, bp, bd = sys.argv[1], sys.argv[2], *map(float, sys.argv[3:])
+print(f"{shape} round {r}: prefill 64 tok/s  llama.cpp {lp:7.1f}  bot {bp:7.1f}  ratio {bp/lp:.2f}x | "
+      f"decode tok/s  llama.cpp {ld:6.1f}  bot {bd:6.1f}  ratio {bd/ld:.2f}x")
+PY
+  done
+done

@@ -1,0 +1,111 @@
+//! Which instruction set the CPU kernels use, chosen once per process by feature detection:
+//! AVX2+FMA on x86-64; on aarch64 NEON with the dot-product extension (`sdot`: every Apple
+//! Silicon CPU, Graviton 2 and later) or plain NEON (every aarch64 CPU); else the scalar path.
+//! `BOT_CPU_ISA=scalar|avx2|neon|neon-dotprod` overrides it (tests of the fallbacks, bisecting a wrong
+//! result); naming an instruction set this CPU lacks is an error at start-up, not a crash.
+
+use std::sync::OnceLock;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    Avx2,
+    NeonDot,
+    Neon,
+    Scalar,
+}
+
+impl Isa {
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Avx2 => "avx2",
+            Isa::NeonDot => "neon-dotprod",
+            Isa::Neon => "neon",
+            Isa::Scalar => "scalar",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Isa> {
+        [Isa::Avx2, Isa::NeonDot, Isa::Neon, Isa::Scalar]
+            .into_iter()
+            .find(|i| i.name() == s.trim().to_ascii_lowercase())
+    }
+
+    /// Whether this CPU can run it.
+    pub fn supported(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+            }
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+            #[cfg(target_arch = "aarch64")]
+            Isa::NeonDot => {
+                std::arch::is_aarch64_feature_detected!("neon")
+                    && std::arch::is_aarch64_feature_detected!("dotprod")
+            }
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+}
+
+/// The best instruction set this CPU supports.
+pub fn detect() -> Isa {
+    [Isa::Avx2, Isa::NeonDot, Isa::Neon]
+        .into_iter()
+        .find(|i| i.supported())
+        .unwrap_or(Isa::Scalar)
+}
+
+/// `BOT_CPU_ISA`, validated: `Ok(None)` when unset.
+pub fn from_env(value: Option<&str>) -> Result<Option<Isa>, String> {
+    let Some(v) = value.filter(|v| !v.trim().is_empty()) else {
+        return Ok(None);
+    };
+    let isa = Isa::parse(v)
+        .ok_or_else(|| format!("BOT_CPU_ISA={v:?}: expected scalar, avx2, neon or neon-dotprod"))?;
+    if !isa.supported() {
+        return Err(format!(
+            "BOT_CPU_ISA={v}: this CPU cannot run it (best here: {})",
+            detect().name()
+        ));
+    }
+    Ok(Some(isa))
+}
+
+/// Checks `BOT_CPU_ISA` at start-up, so a bad value is a clear error before any kernel runs.
+pub fn check_env() -> Result<Isa, String> {
+    Ok(from_env(std::env::var("BOT_CPU_ISA").ok().as_deref())?.unwrap_or_else(detect))
+}
+
+/// The instruction set every CPU kernel of this process uses.
+pub fn active() -> Isa {
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(|| check_env().unwrap_or_else(|_| detect()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overrides_are_validated() {
+        assert_eq!(from_env(None), Ok(None));
+        assert_eq!(from_env(Some("")), Ok(None));
+        assert_eq!(from_env(Some("Scalar")), Ok(Some(Isa::Scalar)));
+        assert!(from_env(Some("avx512")).unwrap_err().contains("expected"));
+        let missing = if cfg!(target_arch = "aarch64") {
+            "avx2"
+        } else {
+            "neon"
+        };
+        assert!(from_env(Some(missing)).unwrap_err().contains("cannot run"));
+        assert!(detect().supported());
+        if cfg!(target_arch = "aarch64") {
+            assert!(Isa::Neon.supported(), "every aarch64 CPU has NEON");
+            assert_ne!(detect(), Isa::Scalar);
+        }
+    }
+}
