@@ -102,7 +102,7 @@ pub struct ModelArgs {
 /// How the engine computes: one group, flattened into every command that loads a model.
 #[derive(Debug, Args, Clone, Copy, Default)]
 pub struct EngineArgs {
-    /// Arithmetic of the quantized matmuls [default: fast; `debug forward`: exact]
+    /// Arithmetic of the quantized matmuls [default: fast; `debug forward` and `eval`: exact]
     #[arg(long, value_enum)]
     pub kernel: Option<Numerics>,
     /// Kernels for the quantized projections: ours on the MLX layout, or candle's on Q4_1
@@ -196,7 +196,7 @@ pub struct EvalArgs {
     #[arg(long)]
     pub max_examples: Option<usize>,
     /// Score the whole conversation, prompt included (mlx_lm's default); by default only the
-    /// last assistant turn (or the completion) is scored, as `mask_prompt` does
+    /// last message (the answer, or the completion) is scored, as mlx_lm's `--mask-prompt`
     #[arg(long)]
     pub no_mask_prompt: bool,
     /// Also score what mlx_lm's loss scores after each example: the padding id 0 (reproduces

@@ -6,7 +6,7 @@
 use serde::Serialize;
 
 use super::*;
-use crate::cmd::cli::EvalArgs;
+use crate::cmd::cli::{BadArgument, EvalArgs};
 use crate::engine::{self, EngineError};
 use crate::eval::template::ChatTemplate;
 use crate::eval::{data, score, EvalError, Renderer, Score, Tokenized};
@@ -21,7 +21,7 @@ pub struct Report {
     /// Whether mlx_lm's extra padding target was scored (`--mlx-pad-target`).
     pub mlx_pad_target: bool,
     pub examples: usize,
-    /// Examples longer than the model's context, not scored.
+    /// Examples not scored: longer than the model's context, or nothing left after the mask.
     pub skipped: usize,
     pub tokens: usize,
     /// Mean loss per scored token (nats).
@@ -50,10 +50,21 @@ pub fn run(config: Option<&Path>, profile: Option<&str>, args: &EvalArgs) -> any
         });
     }
 
+    if args.max_examples == Some(0) {
+        return Err(BadArgument("--max-examples 0: expected at least 1".into()).into());
+    }
+    let mut seen = std::collections::HashSet::new();
+    adapters.retain(|a| seen.insert(a.clone()));
     let mut examples = data::read(&args.data)?;
     if let Some(n) = args.max_examples {
         examples.truncate(n);
     }
+    // a text has no prompt: nothing is masked whatever the flag says
+    let masked = !args.no_mask_prompt
+        && !matches!(
+            examples.first().map(|e| &e.example),
+            Some(data::Example::Text(_))
+        );
     let cfg = engine::Qwen3Config::from_dir(&model_dir)?;
     let renderer_parts = (
         ChatTemplate::load(&model_dir).map_err(EvalError::from)?,
@@ -62,12 +73,25 @@ pub fn run(config: Option<&Path>, profile: Option<&str>, args: &EvalArgs) -> any
     let renderer = Renderer {
         template: &renderer_parts.0,
         tokenizer: &renderer_parts.1,
-        mask_prompt: !args.no_mask_prompt,
+        mask_prompt: masked,
     };
-    let tokenized = examples
-        .iter()
-        .map(|e| renderer.tokenize(e.line, &e.example))
-        .collect::<Result<Vec<Tokenized>, _>>()?;
+    let mut tokenized: Vec<Tokenized> = Vec::new();
+    let mut empty = 0;
+    for e in &examples {
+        match renderer.tokenize(e.line, &e.example) {
+            Ok(t) => tokenized.push(t),
+            Err(EvalError::NothingToScore { .. }) => empty += 1,
+            Err(err) => {
+                return Err(anyhow::Error::new(err).context(args.data.display().to_string()))
+            }
+        }
+    }
+    if empty > 0 && verbose {
+        eprintln!(
+            "{}: skipped {empty} example(s) with nothing to score after the masked prompt",
+            args.data.display()
+        );
+    }
 
     let opts = args
         .model
@@ -116,10 +140,10 @@ pub fn run(config: Option<&Path>, profile: Option<&str>, args: &EvalArgs) -> any
         let r = Report {
             adapter: adapter.as_ref().map(|a| a.display().to_string()),
             data: args.data.display().to_string(),
-            mask_prompt: !args.no_mask_prompt,
+            mask_prompt: masked,
             mlx_pad_target: args.mlx_pad_target,
             examples: tokenized.len() - skipped,
-            skipped,
+            skipped: skipped + empty,
             tokens: total.tokens,
             loss: total.loss(),
             perplexity: total.perplexity(),

@@ -27,22 +27,48 @@ pub enum DataError {
 /// What one line holds, as mlx_lm reads it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Example {
-    /// The conversation's messages, each an object with at least `role` and `content` (other
-    /// fields, e.g. `reasoning_content`, are passed to the chat template as they are).
-    Chat(Vec<Value>),
+    /// The conversation's messages, each an object with a `role` (fields other than `role` and
+    /// `content`, e.g. `reasoning_content` or `tool_calls`, go to the chat template as they
+    /// are), and the row's `tools` if it has them.
+    Chat {
+        messages: Vec<Value>,
+        tools: Option<Value>,
+    },
     Completion {
         prompt: String,
         completion: String,
+        tools: Option<Value>,
     },
     Text(String),
 }
 
-impl Example {
-    fn kind(&self) -> &'static str {
+/// The dataset's kind, which mlx_lm's `create_dataset` decides from the first example alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Completions,
+    Chat,
+    Text,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
         match self {
-            Example::Chat(_) => "chat (\"messages\")",
-            Example::Completion { .. } => "completions (\"prompt\" and \"completion\")",
-            Example::Text(_) => "text (\"text\")",
+            Kind::Chat => "chat (\"messages\")",
+            Kind::Completions => "completions (\"prompt\" and \"completion\")",
+            Kind::Text => "text (\"text\")",
+        }
+    }
+
+    /// mlx_lm's order of precedence: prompt and completion, then messages, then text.
+    fn of(obj: &Map<String, Value>) -> Result<Kind, String> {
+        if obj.contains_key("prompt") && obj.contains_key("completion") {
+            Ok(Kind::Completions)
+        } else if obj.contains_key("messages") {
+            Ok(Kind::Chat)
+        } else if obj.contains_key("text") {
+            Ok(Kind::Text)
+        } else {
+            Err("expected \"messages\", \"prompt\" and \"completion\", or \"text\"".into())
         }
     }
 }
@@ -55,16 +81,24 @@ pub struct Numbered {
 }
 
 pub fn read(path: &Path) -> Result<Vec<Numbered>, DataError> {
-    let text = std::fs::read_to_string(path).map_err(|source| DataError::Read {
+    let bytes = std::fs::read(path).map_err(|source| DataError::Read {
         path: path.to_path_buf(),
         source,
     })?;
+    let at = |line: usize, why: String| DataError::Line {
+        path: path.to_path_buf(),
+        line,
+        why,
+    };
+    let text = String::from_utf8(bytes).map_err(|e| {
+        let line = 1 + e.as_bytes()[..e.utf8_error().valid_up_to()]
+            .iter()
+            .filter(|&&b| b == b'\n')
+            .count();
+        at(line, "not UTF-8 text".into())
+    })?;
     parse(&text).map_err(|e| match e {
-        ParseError::Line { line, why } => DataError::Line {
-            path: path.to_path_buf(),
-            line,
-            why,
-        },
+        ParseError::Line { line, why } => at(line, why),
         ParseError::Empty => DataError::Empty {
             path: path.to_path_buf(),
         },
@@ -77,9 +111,11 @@ pub enum ParseError {
     Empty,
 }
 
-/// Every non-blank line, in order.
+/// Every non-blank line, in order; the first one decides the kind of all.
 pub fn parse(text: &str) -> Result<Vec<Numbered>, ParseError> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let mut out: Vec<Numbered> = Vec::new();
+    let mut kind: Option<(Kind, usize)> = None;
     for (i, raw) in text.lines().enumerate() {
         let line = i + 1;
         if raw.trim().is_empty() {
@@ -90,17 +126,17 @@ pub fn parse(text: &str) -> Result<Vec<Numbered>, ParseError> {
         let Value::Object(obj) = v else {
             return Err(err("expected a JSON object".into()));
         };
-        let example = example(&obj).map_err(err)?;
-        if let Some(first) = out.first() {
-            if std::mem::discriminant(&first.example) != std::mem::discriminant(&example) {
-                return Err(err(format!(
-                    "a {} example, but line {} made this a {} dataset",
-                    example.kind(),
-                    first.line,
-                    first.example.kind()
-                )));
-            }
-        }
+        let (k, first) = match kind {
+            Some(k) => k,
+            None => *kind.insert((Kind::of(&obj).map_err(err)?, line)),
+        };
+        let example = example(&obj, k).map_err(|why| {
+            err(if first == line {
+                why
+            } else {
+                format!("{why} (line {first} made this a {} dataset)", k.name())
+            })
+        })?;
         out.push(Numbered { line, example });
     }
     if out.is_empty() {
@@ -117,40 +153,49 @@ fn string(obj: &Map<String, Value>, key: &str) -> Result<String, String> {
     }
 }
 
-/// mlx_lm's order of precedence (`create_dataset`): prompt and completion, then messages,
-/// then text.
-fn example(obj: &Map<String, Value>) -> Result<Example, String> {
-    if obj.contains_key("prompt") && obj.contains_key("completion") {
-        return Ok(Example::Completion {
+/// The row's `tools`, passed to the template as mlx_lm passes them (`row.get("tools")`).
+fn tools(obj: &Map<String, Value>) -> Option<Value> {
+    obj.get("tools").filter(|t| !t.is_null()).cloned()
+}
+
+fn example(obj: &Map<String, Value>, kind: Kind) -> Result<Example, String> {
+    match kind {
+        Kind::Completions => Ok(Example::Completion {
             prompt: string(obj, "prompt")?,
             completion: string(obj, "completion")?,
-        });
-    }
-    if let Some(m) = obj.get("messages") {
-        let Value::Array(msgs) = m else {
-            return Err("\"messages\" must be an array".into());
-        };
-        if msgs.is_empty() {
-            return Err("\"messages\" is empty".into());
-        }
-        for (j, msg) in msgs.iter().enumerate() {
-            let Value::Object(o) = msg else {
-                return Err(format!("message {j} is not an object"));
+            tools: tools(obj),
+        }),
+        Kind::Text => Ok(Example::Text(string(obj, "text")?)),
+        Kind::Chat => {
+            let Some(Value::Array(msgs)) = obj.get("messages") else {
+                return Err("\"messages\" must be an array".into());
             };
-            string(o, "role").map_err(|e| format!("message {j}: {e}"))?;
-            if !matches!(o.get("content"), Some(Value::String(_))) {
-                return Err(format!("message {j}: \"content\" must be a string"));
+            if msgs.is_empty() {
+                return Err("\"messages\" is empty".into());
             }
+            let mut messages = Vec::with_capacity(msgs.len());
+            for (j, msg) in msgs.iter().enumerate() {
+                let Value::Object(o) = msg else {
+                    return Err(format!("message {j} is not an object"));
+                };
+                string(o, "role").map_err(|e| format!("message {j}: {e}"))?;
+                // a tool-calling turn may have no content (null or absent); text is a string
+                match o.get("content") {
+                    None | Some(Value::Null) | Some(Value::String(_)) => {}
+                    Some(_) => {
+                        return Err(format!(
+                            "message {j}: \"content\" must be a string (lists of parts are not supported)"
+                        ))
+                    }
+                }
+                messages.push(msg.clone());
+            }
+            Ok(Example::Chat {
+                messages,
+                tools: tools(obj),
+            })
         }
-        return Ok(Example::Chat(msgs.clone()));
     }
-    if obj.contains_key("text") {
-        return Ok(Example::Text(string(obj, "text")?));
-    }
-    if obj.contains_key("prompt") || obj.contains_key("completion") {
-        return Err("a completions example needs both \"prompt\" and \"completion\"".into());
-    }
-    Err("expected \"messages\", \"prompt\" and \"completion\", or \"text\"".into())
 }
 
 #[cfg(test)]
@@ -163,18 +208,23 @@ mod tests {
         let got = parse(&format!("{chat}\n\n{chat}\n")).unwrap();
         assert_eq!(got.len(), 2);
         assert_eq!(got[1].line, 3);
-        let Example::Chat(m) = &got[0].example else {
+        let Example::Chat { messages: m, tools } = &got[0].example else {
             panic!()
         };
         assert_eq!(m[1]["reasoning_content"], "r");
-        let got = parse(r#"{"prompt": "p", "completion": "c", "extra": 1}"#).unwrap();
+        assert_eq!(tools, &None);
+        let got = parse(r#"{"prompt": "p", "completion": "c", "extra": 1, "tools": [1]}"#).unwrap();
         assert_eq!(
             got[0].example,
             Example::Completion {
                 prompt: "p".into(),
-                completion: "c".into()
+                completion: "c".into(),
+                tools: Some(serde_json::json!([1])),
             }
         );
+        // a byte-order mark and a tool call without content are fine
+        let got = parse("\u{feff}{\"messages\": [{\"role\": \"assistant\", \"content\": null, \"tool_calls\": []}]}").unwrap();
+        assert_eq!(got.len(), 1);
         let got = parse(r#"{"text": "t"}"#).unwrap();
         assert_eq!(got[0].example, Example::Text("t".into()));
     }
@@ -186,14 +236,8 @@ mod tests {
             ("{\"text\": \"b\"", "not JSON"),
             ("[1, 2]", "JSON object"),
             (r#"{"text": 3}"#, "must be a string"),
-            (r#"{"prompt": "p"}"#, "needs both"),
-            (r#"{"messages": []}"#, "empty"),
-            (r#"{"messages": [{"role": "user"}]}"#, "content"),
-            (r#"{"other": 1}"#, "expected \"messages\""),
-            (
-                r#"{"prompt": "p", "completion": "c"}"#,
-                "line 1 made this a text",
-            ),
+            (r#"{"prompt": "p"}"#, "missing \"text\""),
+            (r#"{"other": 1}"#, "line 1 made this a text"),
         ] {
             match parse(&format!("{ok}\n{bad}\n{ok}")) {
                 Err(ParseError::Line { line, why }) => {
@@ -204,5 +248,28 @@ mod tests {
             }
         }
         assert_eq!(parse("\n  \n"), Err(ParseError::Empty));
+        // the first line decides: a chat set whose later line also has prompt and completion
+        // stays chat, as in mlx_lm
+        let chat = r#"{"messages": [{"role": "user", "content": "hi"}]}"#;
+        let mixed =
+            r#"{"messages": [{"role": "user", "content": "x"}], "prompt": "p", "completion": "c"}"#;
+        let got = parse(&format!("{chat}\n{mixed}")).unwrap();
+        assert!(matches!(got[1].example, Example::Chat { .. }));
+        for (bad, want) in [
+            (r#"{"messages": []}"#, "empty"),
+            (
+                r#"{"messages": [{"role": "user", "content": ["part"]}]}"#,
+                "lists of parts",
+            ),
+            (r#"{"messages": "hi"}"#, "must be an array"),
+            (r#"{"other": 1}"#, "expected \"messages\""),
+        ] {
+            match parse(bad) {
+                Err(ParseError::Line { line: 1, why }) => {
+                    assert!(why.contains(want), "{bad}: {why}")
+                }
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
     }
 }

@@ -26,6 +26,12 @@ pub enum EvalError {
     Engine(#[from] EngineError),
     #[error("line {line}: {why}")]
     Example { line: usize, why: String },
+    #[error("line {line}: nothing to score ({tokens} tokens, the first {prompt} of them prompt)")]
+    NothingToScore {
+        line: usize,
+        tokens: usize,
+        prompt: usize,
+    },
 }
 
 /// One example as token ids, with the first position whose token is scored.
@@ -48,24 +54,48 @@ pub struct Renderer<'a> {
 
 impl Renderer<'_> {
     /// As mlx_lm's `ChatDataset.process` / `CompletionsDataset.process` / `TextDataset.process`:
-    /// the template gets `enable_thinking = true` when the vocabulary has `<think>` (mlx_lm's
+    /// the template gets `enable_thinking` (true when the vocabulary has `<think>`: mlx_lm's
     /// `TokenizerWrapper` passes its `has_thinking`), so Qwen3's last answer carries the empty
-    /// think block, which is scored; the masked prompt is `messages[:-1]` rendered with the
-    /// assistant header when the last message is the assistant's.
+    /// think block, which is scored; the row's `tools`; the masked prompt is `messages[:-1]`
+    /// rendered with the assistant header when the last message is the assistant's. Errors
+    /// name the line.
     pub fn tokenize(&self, line: usize, ex: &Example) -> Result<Tokenized, EvalError> {
-        let mut vars = Map::new();
-        if self.tokenizer.tokenizer.token_to_id("<think>").is_some() {
-            vars.insert("enable_thinking".into(), Value::Bool(true));
-        }
-        let chat = |msgs: &[Value], always_header: bool| -> Result<Tokenized, EvalError> {
-            let text = self.template.render(msgs, false, &vars)?;
-            let ids = self.tokenizer.encode(&text)?;
+        let at = |e: &dyn std::fmt::Display| EvalError::Example {
+            line,
+            why: e.to_string(),
+        };
+        let has_think = self.tokenizer.tokenizer.token_to_id("<think>").is_some();
+        let chat = |msgs: &[Value], tools: &Option<Value>, always_header: bool| {
+            let msgs: Vec<Value> = msgs.iter().map(hf_message).collect();
+            let mut vars = Map::new();
+            vars.insert("enable_thinking".into(), Value::Bool(has_think));
+            if let Some(t) = tools {
+                vars.insert("tools".into(), t.clone());
+            }
+            let text = self
+                .template
+                .render(&msgs, false, &vars)
+                .map_err(|e| at(&e))?;
+            let ids = self.tokenizer.encode(&text).map_err(|e| at(&e))?;
             let mut first = 1;
             if self.mask_prompt {
-                let (last, head) = msgs.split_last().unwrap_or((&Value::Null, &[]));
+                let Some((last, head)) = msgs.split_last().filter(|(_, h)| !h.is_empty()) else {
+                    return Err(at(
+                        &"masking the prompt needs a message before the scored one \
+                                    (or --no-mask-prompt)",
+                    ));
+                };
                 let header = always_header || last["role"] == "assistant";
-                let prompt = self.template.render(head, header, &vars)?;
-                first = self.tokenizer.encode(&prompt)?.len().max(1);
+                let prompt = self
+                    .template
+                    .render(head, header, &vars)
+                    .map_err(|e| at(&e))?;
+                first = self
+                    .tokenizer
+                    .encode(&prompt)
+                    .map_err(|e| at(&e))?
+                    .len()
+                    .max(1);
             }
             Ok(Tokenized {
                 line,
@@ -73,50 +103,74 @@ impl Renderer<'_> {
                 first_scored: first,
             })
         };
-        let t = match ex {
-            Example::Chat(msgs) => chat(msgs, false)?,
-            Example::Completion { prompt, completion } => chat(
-                &[
-                    serde_json::json!({"role": "user", "content": prompt}),
-                    serde_json::json!({"role": "assistant", "content": completion}),
-                ],
-                true,
-            )?,
-            Example::Text(text) => {
-                let mut ids = self.tokenizer.encode(text)?;
-                // mlx_lm's TextDataset ends every text with the tokenizer's EOS
-                let eos = self
-                    .template
-                    .eos_token()
-                    .and_then(|t| self.tokenizer.tokenizer.token_to_id(t))
-                    .ok_or_else(|| EvalError::Example {
+        let t =
+            match ex {
+                Example::Chat { messages, tools } => chat(messages, tools, false)?,
+                Example::Completion {
+                    prompt,
+                    completion,
+                    tools,
+                } => chat(
+                    &[
+                        serde_json::json!({"role": "user", "content": prompt}),
+                        serde_json::json!({"role": "assistant", "content": completion}),
+                    ],
+                    tools,
+                    true,
+                )?,
+                Example::Text(text) => {
+                    let mut ids = self.tokenizer.encode(text).map_err(|e| at(&e))?;
+                    // mlx_lm's TextDataset ends every text with the tokenizer's EOS
+                    let eos =
+                        self.template
+                            .eos_token()
+                            .and_then(|t| self.tokenizer.tokenizer.token_to_id(t))
+                            .ok_or_else(|| {
+                                at(&"tokenizer_config.json names no eos_token the tokenizer knows, \
+                             to end a text with")
+                            })?;
+                    if ids.last() != Some(&eos) {
+                        ids.push(eos);
+                    }
+                    Tokenized {
                         line,
-                        why: "tokenizer_config.json names no eos_token the tokenizer knows, \
-                              to end a text with"
-                            .into(),
-                    })?;
-                if ids.last() != Some(&eos) {
-                    ids.push(eos);
+                        ids,
+                        first_scored: 1,
+                    }
                 }
-                Tokenized {
-                    line,
-                    ids,
-                    first_scored: 1,
-                }
-            }
-        };
+            };
         if t.ids.len() <= t.first_scored {
-            return Err(EvalError::Example {
+            return Err(EvalError::NothingToScore {
                 line,
-                why: format!(
-                    "nothing to score: {} tokens, the first {} are prompt",
-                    t.ids.len(),
-                    t.first_scored
-                ),
+                tokens: t.ids.len(),
+                prompt: t.first_scored,
             });
         }
         Ok(t)
     }
+}
+
+/// A message as Hugging Face's `apply_chat_template` hands it to the template: keys whose
+/// value is null dropped; the first of `reasoning_content`, `thinking`, `reasoning` present
+/// becomes `reasoning_content` (and `thinking` when that is absent), as transformers'
+/// `_alias_reasoning_fields` does.
+pub(crate) fn hf_message(m: &Value) -> Value {
+    let Value::Object(o) = m else {
+        return m.clone();
+    };
+    let mut o: Map<String, Value> = o
+        .iter()
+        .filter(|(_, v)| !v.is_null())
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let found = ["reasoning_content", "thinking", "reasoning"]
+        .iter()
+        .find_map(|k| o.get(*k).cloned());
+    if let Some(r) = found {
+        o.entry("thinking").or_insert_with(|| r.clone());
+        o.insert("reasoning_content".into(), r);
+    }
+    Value::Object(o)
 }
 
 /// Negative log-likelihood (nats) summed over the scored tokens, and how many there were.
@@ -207,6 +261,19 @@ mod tests {
         }
         // large logits do not overflow
         assert!((nll(&[1000.0, 1000.0], 0) - 2f64.ln()).abs() < 1e-12);
+    }
+
+    #[test]
+    fn messages_reach_the_template_as_transformers_passes_them() {
+        let m = serde_json::json!({"role": "assistant", "content": "A", "reasoning": "R", "tool_calls": null});
+        assert_eq!(
+            hf_message(&m),
+            serde_json::json!({"role": "assistant", "content": "A", "reasoning": "R",
+                               "reasoning_content": "R", "thinking": "R"})
+        );
+        let m = serde_json::json!({"role": "assistant", "content": "A", "reasoning_content": "C", "thinking": "T"});
+        assert_eq!(hf_message(&m)["reasoning_content"], "C");
+        assert_eq!(hf_message(&m)["thinking"], "T");
     }
 
     #[test]

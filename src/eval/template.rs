@@ -66,14 +66,20 @@ impl ChatTemplate {
                 }
             }
         };
+        // only the tokens the tokenizer has: HF leaves the others out of the context, where
+        // they render as nothing (a `None` would print "None")
         let mut special = serde_json::Map::new();
         for key in ["bos_token", "eos_token", "pad_token", "unk_token"] {
             let v = match cfg.get(key) {
-                Some(Value::String(s)) => Value::String(s.clone()),
-                Some(Value::Object(o)) => o.get("content").cloned().unwrap_or(Value::Null),
-                _ => Value::Null,
+                Some(Value::String(s)) => Some(s.clone()),
+                Some(Value::Object(o)) => {
+                    o.get("content").and_then(Value::as_str).map(str::to_string)
+                }
+                _ => None,
             };
-            special.insert(key.into(), v);
+            if let Some(v) = v {
+                special.insert(key.into(), Value::String(v));
+            }
         }
         Self::new(source, special, model_dir)
     }
@@ -97,6 +103,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
         });
+        env.add_filter("tojson", tojson);
         env.add_template_owned("chat", source)
             .map_err(|e| TemplateError::Render {
                 dir: dir.to_path_buf(),
@@ -115,8 +122,9 @@ impl ChatTemplate {
     }
 
     /// `messages` rendered; with `add_generation_prompt` the assistant header follows.
-    /// `extra` holds further template variables (e.g. `enable_thinking`), as `apply_chat_template`'s
-    /// keyword arguments.
+    /// `tools` and `documents` are `none` unless `extra` gives them (as `apply_chat_template`
+    /// passes `None`); `extra` holds further template variables (e.g. `enable_thinking`), as
+    /// its keyword arguments.
     pub fn render(
         &self,
         messages: &[Value],
@@ -125,6 +133,8 @@ impl ChatTemplate {
     ) -> Result<String, TemplateError> {
         let t = self.env.get_template("chat").map_err(|e| self.err(e))?;
         let mut vars = self.special.clone();
+        vars.insert("tools".into(), Value::Null);
+        vars.insert("documents".into(), Value::Null);
         vars.extend(extra.clone());
         t.render(context! {
             messages => minijinja::Value::from(minijinja::value::Serde(messages)),
@@ -145,6 +155,63 @@ impl ChatTemplate {
             dir: self.dir.clone(),
             why,
         }
+    }
+}
+
+/// HF's `tojson` filter: Python's `json.dumps(x, ensure_ascii=False, indent=indent)`: `", "`
+/// and `": "` between items (`","` with an indent), no HTML escaping, keys in the file's order.
+fn tojson(
+    v: minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> Result<minijinja::Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    for ignored in ["ensure_ascii", "sort_keys", "separators"] {
+        let _: Option<minijinja::Value> = kwargs.get(ignored)?;
+    }
+    kwargs.assert_all_used()?;
+    let j = serde_json::to_value(&v)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    let mut out = String::new();
+    dumps(&j, indent, 0, &mut out);
+    Ok(minijinja::Value::from_safe_string(out))
+}
+
+fn dumps(v: &Value, indent: Option<usize>, depth: usize, out: &mut String) {
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+    };
+    let sep = if indent.is_some() { "," } else { ", " };
+    match v {
+        Value::Array(a) if !a.is_empty() => {
+            out.push('[');
+            for (i, x) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                dumps(x, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        Value::Object(o) if !o.is_empty() => {
+            out.push('{');
+            for (i, (k, x)) in o.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                out.push_str(&Value::String(k.clone()).to_string());
+                out.push_str(": ");
+                dumps(x, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        other => out.push_str(&other.to_string()),
     }
 }
 
@@ -196,6 +263,63 @@ mod tests {
         );
         let head = t.render(&msgs[..4], true, &Default::default()).unwrap();
         assert!(got.starts_with(&head), "{head:?}");
+    }
+
+    #[test]
+    fn tojson_writes_what_python_json_dumps_writes() {
+        let t = ChatTemplate::new(
+            "{{ messages[0] | tojson }}|{{ messages[0] | tojson(indent=2) }}|{{ bos_token }}|{{ tools is none }}".into(),
+            Default::default(),
+            Path::new("/m"),
+        )
+        .unwrap();
+        let msg = serde_json::json!({"a": [1, 2.5, "Tom's <b> é"], "b": {}, "c": null});
+        let got = t.render(&[msg], false, &Default::default()).unwrap();
+        assert_eq!(
+            got,
+            "{\"a\": [1, 2.5, \"Tom's <b> é\"], \"b\": {}, \"c\": null}|{\n  \"a\": [\n    1,\n    \
+             2.5,\n    \"Tom's <b> é\"\n  ],\n  \"b\": {},\n  \"c\": null\n}||True"
+        );
+    }
+
+    /// Qwen3's real template against Hugging Face's renders (`cases.json`, made by
+    /// make_cases.py with transformers): tools in the system turn, tool calls and responses,
+    /// a `reasoning` field, a think block in the content, multi-turn; full and masked prompt.
+    #[test]
+    fn qwen3_template_renders_what_transformers_renders() {
+        let dir = fixture("tests/fixtures/qwen3-template");
+        let t = ChatTemplate::load(&dir).unwrap();
+        let cases: serde_json::Map<String, Value> =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap())
+                .unwrap();
+        let mut n = 0;
+        for (name, c) in cases.iter().filter(|(k, _)| !k.starts_with('_')) {
+            let msgs: Vec<Value> = c["messages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(crate::eval::hf_message)
+                .collect();
+            let mut vars = serde_json::Map::new();
+            vars.insert("enable_thinking".into(), Value::Bool(true));
+            if !c["tools"].is_null() {
+                vars.insert("tools".into(), c["tools"].clone());
+            }
+            assert_eq!(
+                t.render(&msgs, false, &vars).unwrap(),
+                c["full"].as_str().unwrap(),
+                "{name}"
+            );
+            let header = msgs.last().unwrap()["role"] == "assistant";
+            let head = &msgs[..msgs.len() - 1];
+            assert_eq!(
+                t.render(head, header, &vars).unwrap(),
+                c["prompt"].as_str().unwrap(),
+                "{name} prompt"
+            );
+            n += 1;
+        }
+        assert_eq!(n, 4);
     }
 
     #[test]

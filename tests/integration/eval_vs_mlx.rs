@@ -289,3 +289,47 @@ fn examples_past_the_context_are_skipped_with_a_count() {
     );
     assert!(String::from_utf8_lossy(&out.stderr).contains("skipped 1 example"));
 }
+
+/// Examples longer than one scoring chunk (128 positions), masked anywhere, with and without the
+/// padding target: the chunked scoring equals one forward over the whole example.
+#[test]
+fn chunked_scoring_equals_one_forward() {
+    use bot::eval::nll;
+    let mut m = model("q4g64_f32", true);
+    let v = m.cfg.vocab_size;
+    let ids: Vec<u32> = (0..300u32).map(|i| (i * 37) % (v as u32 - 1) + 1).collect();
+    m.reset();
+    let logits: Vec<f32> = m
+        .forward(&ids, true, false)
+        .unwrap()
+        .logits
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    for first in [1, 100, 127, 128, 129, 200, 299] {
+        for pad in [false, true] {
+            let t = Tokenized {
+                line: 1,
+                ids: ids.clone(),
+                first_scored: first,
+            };
+            let got = score(&mut m, &t, pad).unwrap();
+            let last = if pad { 300 } else { 299 };
+            let want: f64 = (first..=last)
+                .map(|tok| {
+                    nll(
+                        &logits[(tok - 1) * v..tok * v],
+                        ids.get(tok).copied().unwrap_or(0),
+                    )
+                })
+                .sum();
+            assert_eq!(got.tokens, last + 1 - first, "first {first} pad {pad}");
+            assert!(
+                (got.nll - want).abs() <= LOSS_TOL * got.tokens as f64,
+                "first {first} pad {pad}: {} vs {want}",
+                got.nll
+            );
+        }
+    }
+}
