@@ -7,6 +7,7 @@
 pub mod data;
 pub mod template;
 
+use rayon::prelude::*;
 use serde_json::{Map, Value};
 
 use crate::engine::{EngineError, Qwen3};
@@ -228,15 +229,18 @@ pub fn score(model: &mut Qwen3, t: &Tokenized, mlx_pad: bool) -> Result<Score, E
         let out = model.forward(chunk, wanted, false)?;
         if wanted {
             let logits: Vec<f32> = out.logits.flatten_all()?.to_vec1()?;
-            for (i, row) in logits.chunks_exact(vocab).enumerate() {
-                let target = pos + i + 1;
-                if target >= t.first_scored {
-                    let id = t.ids.get(target).copied().unwrap_or(MLX_PAD_ID);
-                    s.add(Score {
-                        nll: nll(row, id),
-                        tokens: 1,
-                    });
-                }
+            // rows in parallel (a row is a pass over the vocabulary), summed in order
+            let per_row: Vec<f64> = logits
+                .par_chunks_exact(vocab)
+                .enumerate()
+                .filter(|(i, _)| pos + i + 1 >= t.first_scored)
+                .map(|(i, row)| {
+                    let id = t.ids.get(pos + i + 1).copied().unwrap_or(MLX_PAD_ID);
+                    nll(row, id)
+                })
+                .collect();
+            for v in per_row {
+                s.add(Score { nll: v, tokens: 1 });
             }
         }
         pos += chunk.len();
