@@ -66,6 +66,29 @@ mod tests {
             .unwrap()
     }
 
+    /// `m` random rows through the planned kernel under the shim: the kernel and its largest
+    /// error relative to the largest |reference|.
+    fn run_against_reference(
+        w: &crate::engine::QMatrix,
+        m: usize,
+        rng: &mut rand::rngs::StdRng,
+    ) -> (&'static str, f32) {
+        let k = w.cols;
+        let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1f32..1.0)).collect();
+        let p = QParams::new(w, m);
+        let plan = matmul_plan(&p);
+        let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let got = run(&plan, &p, &bytes, w);
+        let want = w.matmul_reference(&x, m);
+        let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let err = got
+            .iter()
+            .zip(&want)
+            .fold(0f32, |a, (g, r)| a.max((g - r).abs()))
+            / scale;
+        (plan.kernel, err)
+    }
+
     #[test]
     fn msl_matmul_kernels_match_the_reference_under_the_shim() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
@@ -84,24 +107,11 @@ mod tests {
                         if bits == 3 && m == 64 && gs != 64 {
                             continue; // keep the thread-per-lane emulation quick
                         }
-                        let x: Vec<f32> =
-                            (0..m * k).map(|_| rng.random_range(-1f32..1.0)).collect();
-                        let p = QParams::new(&w, m);
-                        let plan = matmul_plan(&p);
-                        seen.insert(plan.kernel);
-                        let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
-                        let got = run(&plan, &p, &bytes, &w);
-                        let want = w.matmul_reference(&x, m);
-                        let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
-                        let err = got
-                            .iter()
-                            .zip(&want)
-                            .fold(0f32, |a, (g, r)| a.max((g - r).abs()))
-                            / scale;
+                        let (kernel, err) = run_against_reference(&w, m, &mut rng);
+                        seen.insert(kernel);
                         assert!(
                             err <= 1e-5,
-                            "{} bits {bits} gs {gs} N {n} K {k} M {m} {sd}: relative error {err:.2e}",
-                            plan.kernel
+                            "{kernel} bits {bits} gs {gs} N {n} K {k} M {m} {sd}: relative error {err:.2e}"
                         );
                     }
                 }
@@ -175,22 +185,10 @@ mod tests {
         ] {
             let w = random_qmatrix(n, k, 4, 64, Dtype::BF16, k as u64);
             for &m in ms {
-                let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1f32..1.0)).collect();
-                let p = QParams::new(&w, m);
-                let plan = matmul_plan(&p);
-                let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
-                let got = run(&plan, &p, &bytes, &w);
-                let want = w.matmul_reference(&x, m);
-                let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
-                let err = got
-                    .iter()
-                    .zip(&want)
-                    .fold(0f32, |a, (g, r)| a.max((g - r).abs()))
-                    / scale;
+                let (kernel, err) = run_against_reference(&w, m, &mut rng);
                 assert!(
                     err <= 1e-5,
-                    "{} N {n} K {k} M {m}: relative error {err:.2e}",
-                    plan.kernel
+                    "{kernel} N {n} K {k} M {m}: relative error {err:.2e}"
                 );
             }
         }
