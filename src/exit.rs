@@ -59,6 +59,22 @@ pub fn code(e: &anyhow::Error) -> i32 {
                 _ => OTHER,
             };
         }
+        // `bot eval`: the --data file is the command line's; a model whose template or
+        // tokenizer cannot be used is configuration
+        if cause
+            .downcast_ref::<crate::eval::data::DataError>()
+            .is_some()
+        {
+            return USAGE;
+        }
+        if let Some(e) = cause.downcast_ref::<crate::eval::EvalError>() {
+            use crate::eval::EvalError as V;
+            return match e {
+                V::Data(_) | V::Example { .. } | V::NothingToScore { .. } => USAGE,
+                V::Template(_) | V::Tokenizer(_) => CONFIG,
+                V::Engine(e) => engine_code(e),
+            };
+        }
         if let Some(e) = cause.downcast_ref::<crate::engine::EngineError>() {
             return engine_code(e);
         }

@@ -240,7 +240,11 @@ fn cli_names_the_bad_line_and_refuses_an_empty_set() {
             .arg(file)
             .output()
             .unwrap();
-        assert!(!out.status.success());
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "a bad --data file is a usage error"
+        );
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(want), "{err}");
     }
