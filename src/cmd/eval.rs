@@ -66,13 +66,11 @@ pub fn run(config: Option<&Path>, profile: Option<&str>, args: &EvalArgs) -> any
             Some(data::Example::Text(_))
         );
     let cfg = engine::Qwen3Config::from_dir(&model_dir)?;
-    let renderer_parts = (
-        ChatTemplate::load(&model_dir).map_err(EvalError::from)?,
-        ChatTokenizer::load(&model_dir, &cfg.eos_token_ids).map_err(EvalError::from)?,
-    );
+    let template = ChatTemplate::load(&model_dir).map_err(EvalError::from)?;
+    let tokenizer = ChatTokenizer::load(&model_dir, &cfg.eos_token_ids).map_err(EvalError::from)?;
     let renderer = Renderer {
-        template: &renderer_parts.0,
-        tokenizer: &renderer_parts.1,
+        template: &template,
+        tokenizer: &tokenizer,
         mask_prompt: masked,
     };
     let mut tokenized: Vec<Tokenized> = Vec::new();

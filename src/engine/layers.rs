@@ -121,13 +121,9 @@ impl Weight {
     /// for matrices it cannot represent exactly (`Qwen3::new` notes how many).
     pub(crate) fn routed(self, opts: &ModelOptions) -> Result<Self> {
         match (&self, opts.route) {
-            (Weight::Quant(q), QMatmulRoute::Repack) => match repack::qmatmul(q, &opts.device)? {
-                Ok(mm) => Ok(Weight::Repacked {
-                    mm: Arc::new(mm),
-                    nbytes: q.rows * q.cols / 32 * repack::Q4_1_BLOCK_BYTES,
-                }),
-                Err(_) => Ok(self),
-            },
+            (Weight::Quant(q), QMatmulRoute::Repack) => {
+                Ok(Self::repacked(q, &opts.device)?.unwrap_or(self))
+            }
             _ => Ok(self),
         }
     }
@@ -138,13 +134,22 @@ impl Weight {
         let Weight::Quant(q) = self else {
             return Ok(self.clone());
         };
-        Ok(match repack::qmatmul(q, dev)? {
-            Ok(mm) => Weight::Repacked {
-                mm: Arc::new(mm),
-                nbytes: q.rows * q.cols / 32 * repack::Q4_1_BLOCK_BYTES,
-            },
-            Err(_) => Weight::Dense(Tensor::from_vec(q.dequantize(), (q.rows, q.cols), dev)?),
-        })
+        match Self::repacked(q, dev)? {
+            Some(w) => Ok(w),
+            None => Ok(Weight::Dense(Tensor::from_vec(
+                q.dequantize(),
+                (q.rows, q.cols),
+                dev,
+            )?)),
+        }
+    }
+
+    /// `q` on candle's Q4_1 kernels; `None` where the repack cannot hold it exactly.
+    fn repacked(q: &QMatrix, dev: &Device) -> Result<Option<Self>> {
+        Ok(repack::qmatmul(q, dev)?.ok().map(|mm| Weight::Repacked {
+            mm: Arc::new(mm),
+            nbytes: q.rows * q.cols / 32 * repack::Q4_1_BLOCK_BYTES,
+        }))
     }
 
     pub fn is_native(&self) -> bool {

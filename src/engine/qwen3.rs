@@ -468,10 +468,7 @@ impl Qwen3 {
 
     /// Matrices (projections and head) still on our own quantized kernels.
     pub fn native_matrices(&self) -> usize {
-        self.projections()
-            .chain(std::iter::once(&self.lm_head.weight))
-            .filter(|w| w.is_native())
-            .count()
+        self.matrices().filter(|w| w.is_native()).count()
     }
 
     /// Runs the self-test on every Metal kernel variant this model dispatches; on a failure
@@ -483,11 +480,7 @@ impl Qwen3 {
             Weight::Quant(q) => Some(crate::engine::quant::QParams::new(q, 1)),
             _ => None,
         };
-        let matmuls: Vec<_> = self
-            .projections()
-            .chain(std::iter::once(&self.lm_head.weight))
-            .filter_map(quant)
-            .collect();
+        let matmuls: Vec<_> = self.matrices().filter_map(quant).collect();
         let gathers: Vec<_> = quant(&self.embed_tokens.weight).into_iter().collect();
         let variants = selftest::variants(&matmuls, &gathers);
         if variants.is_empty() {
@@ -501,6 +494,12 @@ impl Qwen3 {
             self.use_verified_route()?;
         }
         Ok(())
+    }
+
+    /// Every projection's weight and the head's: the matrices a decode step multiplies by.
+    fn matrices(&self) -> impl Iterator<Item = &Weight> + '_ {
+        self.projections()
+            .chain(std::iter::once(&self.lm_head.weight))
     }
 
     fn projections(&self) -> impl Iterator<Item = &Weight> + '_ {
@@ -592,14 +591,14 @@ impl Qwen3 {
 
     /// Projections (and the head) running on candle's Q4_1 kernels after `--qmatmul repack`.
     pub fn repacked_projections(&self) -> usize {
-        let r = |w: &Weight| matches!(w, Weight::Repacked { .. }) as usize;
-        self.projections().map(r).sum::<usize>() + r(&self.lm_head.weight)
+        self.matrices()
+            .filter(|w| matches!(w, Weight::Repacked { .. }))
+            .count()
     }
 
     /// Bytes of weights one decode step reads (every projection, the head, one embedding row).
     pub fn weight_bytes_per_token(&self) -> usize {
-        self.projections().map(Weight::nbytes).sum::<usize>()
-            + self.lm_head.weight.nbytes()
+        self.matrices().map(Weight::nbytes).sum::<usize>()
             + self.embed_tokens.weight.nbytes() / self.cfg.vocab_size
     }
 

@@ -151,27 +151,37 @@ fn loss_equals_mlx_lm_evaluate() {
 }
 
 /// The CLI end to end: two adapters (the fixture's and none), JSON lines, the delta.
+/// `bot eval --device cpu --model <the f32 fixture> --data DATA ARGS...` with its own home.
+fn bot_eval(home: &std::path::Path, data: &std::path::Path, args: &[&str]) -> std::process::Output {
+    assert_cmd::Command::cargo_bin("bot")
+        .unwrap()
+        .env("BOT_HOME", home)
+        .args(["eval", "--device", "cpu", "--model"])
+        .arg(fixtures().join("q4g64_f32"))
+        .arg("--data")
+        .arg(data)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
 #[test]
 fn cli_reports_each_adapter_and_the_difference() {
-    let out = assert_cmd::Command::cargo_bin("bot")
-        .unwrap()
-        .env("BOT_HOME", tempfile::tempdir().unwrap().path())
-        .args([
-            "eval",
-            "--device",
-            "cpu",
+    let home = tempfile::tempdir().unwrap();
+    let adapter = fixtures().join("adapter");
+    let out = bot_eval(
+        home.path(),
+        &eval_dir().join("chat.jsonl"),
+        &[
             "--json",
             "--quiet",
             "--mlx-pad-target",
-            "--model",
-        ])
-        .arg(fixtures().join("q4g64_f32"))
-        .arg("--adapter")
-        .arg(fixtures().join("adapter"))
-        .args(["--compare", "none", "--data"])
-        .arg(eval_dir().join("chat.jsonl"))
-        .output()
-        .unwrap();
+            "--adapter",
+            adapter.to_str().unwrap(),
+            "--compare",
+            "none",
+        ],
+    );
     assert!(
         out.status.success(),
         "{}",
@@ -224,22 +234,7 @@ fn cli_names_the_bad_line_and_refuses_an_empty_set() {
         (&bad, "bad.jsonl:2: \"text\" must be a string"),
         (&empty, "no examples"),
     ] {
-        let out = assert_cmd::Command::cargo_bin("bot")
-            .unwrap()
-            .env("BOT_HOME", dir.path())
-            .args([
-                "eval",
-                "--device",
-                "cpu",
-                "--quiet",
-                "--no-adapter",
-                "--model",
-            ])
-            .arg(fixtures().join("q4g64_f32"))
-            .arg("--data")
-            .arg(file)
-            .output()
-            .unwrap();
+        let out = bot_eval(dir.path(), file, &["--quiet", "--no-adapter"]);
         assert_eq!(
             out.status.code(),
             Some(2),
@@ -264,22 +259,7 @@ fn examples_past_the_context_are_skipped_with_a_count() {
         format!("{{\"text\": \"{long}\"}}\n{{\"text\": \"Rain fell.\"}}\n"),
     )
     .unwrap();
-    let out = assert_cmd::Command::cargo_bin("bot")
-        .unwrap()
-        .env("BOT_HOME", dir.path())
-        .args([
-            "eval",
-            "--device",
-            "cpu",
-            "--json",
-            "--no-adapter",
-            "--model",
-        ])
-        .arg(fixtures().join("q4g64_f32"))
-        .arg("--data")
-        .arg(&data)
-        .output()
-        .unwrap();
+    let out = bot_eval(dir.path(), &data, &["--json", "--no-adapter"]);
     assert!(
         out.status.success(),
         "{}",
