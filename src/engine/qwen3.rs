@@ -508,7 +508,7 @@ impl Qwen3 {
 
     /// The weights as the fused step reads them.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    fn view(&self) -> ModelView<'_> {
+    pub(crate) fn view(&self) -> ModelView<'_> {
         ModelView {
             cfg: &self.cfg,
             embed: &self.embed_tokens.weight,

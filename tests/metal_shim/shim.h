@@ -1,9 +1,15 @@
-// Runs Metal Shading Language kernels (the subset src/engine/metal/qmatmul.metal uses) as C++ on
+// Runs Metal Shading Language kernels (the subset src/engine/metal/*.metal use) as C++ on
 // the CPU, so their arithmetic and indexing are tested where no Mac exists. Every lane of a
 // threadgroup is a std::thread; `simd_sum` and `threadgroup_barrier` are barriers over the
 // simdgroup's / threadgroup's threads; `threadgroup` arrays become function statics, which is
 // threadgroup memory exactly because threadgroups run one at a time. What this cannot show:
 // the Metal compiler accepting the source, GPU scheduling, and speed.
+//
+// With BOT_SHIM_STRICT (a compile-only build, src/engine/metal/shim.rs) the address spaces are
+// distinct types: `device` memory is `volatile` and `constant` is `const volatile`, and the
+// runners pass every buffer as such, so a pointer or reference parameter that lacks its address
+// space, or a device pointer handed to a function that takes thread memory, fails to compile, as
+// it would under the Metal compiler.
 #pragma once
 #include <atomic>
 #include <barrier>
@@ -24,9 +30,37 @@ struct uint3 {
 };
 
 #define kernel
+#ifdef BOT_SHIM_STRICT
+#define device volatile
+#define constant const volatile
+#else
 #define device
 #define constant const
+#endif
 #define threadgroup static
+
+// The vector types the kernels use, by component; a copy may be read from device memory.
+struct float4 {
+    float x, y, z, w;
+    float4() = default;
+    float4(float a, float b, float c, float d) : x(a), y(b), z(c), w(d) {}
+    float4(const float4&) = default;
+    float4& operator=(const float4&) = default;
+    float4(const volatile float4& o) : x(o.x), y(o.y), z(o.z), w(o.w) {}
+};
+struct uint2 {
+    uint x, y;
+    uint2() = default;
+    uint2(const uint2&) = default;
+    uint2& operator=(const uint2&) = default;
+    uint2(const volatile uint2& o) : x(o.x), y(o.y) {}
+};
+
+// Metal's math on floats (the library is compiled with fast math; the host's libm here).
+inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
+inline float exp(float x) { return std::exp(x); }
+inline float max(float a, float b) { return std::fmax(a, b); }
+inline int min(int a, int b) { return a < b ? a : b; }
 
 template <typename T, typename U>
 inline T as_type(U u) {
@@ -79,30 +113,34 @@ inline float log(float x) { return std::log(x); }
 }  // namespace precise
 inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
 
-// What one lane is told about where it is.
+// What one lane is told about where it is (`index`: its thread_index_in_threadgroup).
 struct Lane {
     uint3 tgid, tid;
-    uint simd_gid, simd_lid;
+    uint simd_gid, simd_lid, index, threads;
 };
 
-// Runs `body` for every lane of every threadgroup of the grid, one threadgroup at a time.
+// Runs `body` for every lane of every threadgroup of the grid, one threadgroup at a time: one
+// thread a lane for the whole dispatch, walking the threadgroups in order, all lanes finishing
+// one threadgroup (a barrier) before any starts the next, so `threadgroup` statics are never
+// shared by two threadgroups.
 inline void dispatch(uint3 grid, uint3 tg, const std::function<void(const Lane&)>& body) {
     const uint n = tg.x * tg.y * tg.z;
-    for (uint gz = 0; gz < grid.z; gz++)
-        for (uint gy = 0; gy < grid.y; gy++)
-            for (uint gx = 0; gx < grid.x; gx++) {
-                std::barrier<> tg_bar(n);
-                std::vector<SimdGroup> simds((n + 31) / 32);
-                std::vector<std::thread> threads;
-                for (uint i = 0; i < n; i++) {
-                    threads.emplace_back([&, i] {
-                        t_simd = &simds[i / 32];
-                        t_lane = i % 32;
-                        t_tg = &tg_bar;
-                        Lane l{{gx, gy, gz}, {i % tg.x, (i / tg.x) % tg.y, i / (tg.x * tg.y)}, i / 32, i % 32};
+    std::barrier<> tg_bar(n), done(n);
+    std::vector<SimdGroup> simds((n + 31) / 32);
+    std::vector<std::thread> threads;
+    for (uint i = 0; i < n; i++) {
+        threads.emplace_back([&, i] {
+            t_simd = &simds[i / 32];
+            t_lane = i % 32;
+            t_tg = &tg_bar;
+            for (uint gz = 0; gz < grid.z; gz++)
+                for (uint gy = 0; gy < grid.y; gy++)
+                    for (uint gx = 0; gx < grid.x; gx++) {
+                        Lane l{{gx, gy, gz}, {i % tg.x, (i / tg.x) % tg.y, i / (tg.x * tg.y)}, i / 32, i % 32, i, n};
                         body(l);
-                    });
-                }
-                for (auto& t : threads) t.join();
-            }
+                        done.arrive_and_wait();
+                    }
+        });
+    }
+    for (auto& t : threads) t.join();
 }

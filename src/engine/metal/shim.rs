@@ -48,6 +48,66 @@ pub(crate) fn runner(name: &str) -> PathBuf {
     exe
 }
 
+/// Compiles the runner `tests/metal_shim/{name}.cpp` with `BOT_SHIM_STRICT` (address spaces as
+/// distinct types, see shim.h) without building it; the compiler's complaint if any.
+pub(crate) fn strict_check(name: &str) -> Result<(), String> {
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/metal_shim/{name}.cpp"));
+    let out = std::process::Command::new(&cxx)
+        .args([
+            "-std=c++20",
+            "-fsyntax-only",
+            "-Wno-attributes",
+            "-DBOT_SHIM_STRICT",
+        ])
+        .arg(&src)
+        .output()
+        .map_err(|e| format!("{cxx}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+#[test]
+fn the_kernels_compile_with_address_spaces_as_types() {
+    for name in ["runner", "step_runner"] {
+        if let Err(e) = strict_check(name) {
+            panic!("{name}.cpp under BOT_SHIM_STRICT:\n{e}");
+        }
+    }
+}
+
+/// The strict build does catch what the Metal compiler would: a device pointer handed to a
+/// function whose parameter lacks `device`.
+#[test]
+fn the_strict_build_refuses_a_missing_address_space() {
+    let dir = tempfile::tempdir().unwrap();
+    let shim = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/metal_shim/shim.h");
+    let src = dir.path().join("bad.cpp");
+    let compile = |body: &str, strict: bool| {
+        std::fs::write(&src, format!("#include \"{}\"\n{body}\n", shim.display())).unwrap();
+        let mut c =
+            std::process::Command::new(std::env::var("CXX").unwrap_or_else(|_| "g++".into()));
+        c.args(["-std=c++20", "-fsyntax-only", "-Wno-attributes"]);
+        if strict {
+            c.arg("-DBOT_SHIM_STRICT");
+        }
+        c.arg(&src).output().unwrap().status.success()
+    };
+    let bad = "inline float f(const float* p) { return p[0]; }\n\
+               kernel void k(device const float* x, device float* y) { y[0] = f(x); }\n\
+               void run(float* a) { k((device const float*)a, (device float*)a); }";
+    let good = bad.replace("f(const float* p)", "f(device const float* p)");
+    assert!(compile(bad, false), "the plain shim build takes both");
+    assert!(compile(&good, true));
+    assert!(
+        !compile(bad, true),
+        "the strict build took a missing `device`"
+    );
+}
+
 /// The kernels of `qmatmul.metal` run by the shim's `runner` binary: the self-test's and the
 /// plan tests' stand-in for the GPU.
 pub(crate) struct ShimRunner;

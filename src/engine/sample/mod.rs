@@ -32,6 +32,8 @@ use std::cmp::Ordering;
 pub const MASS_SHIFT: u32 = 40;
 /// Recent tokens a repetition penalty can cover (mlx_lm's default context is 20).
 pub const MAX_RECENT: usize = 64;
+/// Bytes of `SampleState` as the kernels read it.
+pub const STATE_BYTES: usize = 24 + 4 * MAX_RECENT;
 
 /// What the user asked for (`--temperature`, `--top-p`, ...), as mlx_lm takes it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -183,7 +185,7 @@ impl SampleState {
     }
 
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(24 + 4 * MAX_RECENT);
+        let mut b = Vec::with_capacity(STATE_BYTES);
         b.extend_from_slice(&self.seed.to_le_bytes());
         b.extend_from_slice(&self.counter.to_le_bytes());
         b.extend_from_slice(&self.n_recent.to_le_bytes());
