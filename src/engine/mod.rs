@@ -6,6 +6,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod device;
 pub mod error;
+pub(crate) mod fused;
 pub mod layers;
 pub mod lora;
 pub mod metal;

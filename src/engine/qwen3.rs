@@ -13,6 +13,7 @@ use crate::engine::config::Qwen3Config;
 use crate::engine::cpu::attention::{self, Dims, HostKv};
 use crate::engine::cpu::sample::CpuSampler;
 use crate::engine::error::{EngineError, Result};
+use crate::engine::fused::Fused;
 use crate::engine::layers::{
     rope_angles, Embedding, LayerView, Linear, ModelOptions, ModelView, Weight,
 };
@@ -291,8 +292,8 @@ pub struct Qwen3 {
     /// What the user should hear about how this model runs (fallbacks), for the commands to say.
     notes: Vec<String>,
     device: Device,
-    #[cfg(feature = "cuda")]
-    fused: Option<Box<crate::engine::cuda::fused::FusedQwen3>>,
+    /// The GPU's fused step, when it runs this model (else candle ops).
+    fused: Option<Fused>,
 }
 
 impl Qwen3 {
@@ -347,7 +348,6 @@ impl Qwen3 {
             notes,
             device: opts.device.clone(),
             cfg,
-            #[cfg(feature = "cuda")]
             fused: None,
         };
         #[cfg(feature = "cuda")]
@@ -356,7 +356,7 @@ impl Qwen3 {
             match unsupported(&model.view()) {
                 None => {
                     let f = FusedQwen3::new(&model.view(), dev, opts.kernel, opts.cuda_step)?;
-                    model.fused = Some(Box::new(f));
+                    model.fused = Some(Fused::Cuda(Box::new(f)));
                 }
                 Some(why) => model.notes.push(format!(
                     "CUDA: {why}; running candle ops instead of the fused step"
@@ -365,7 +365,9 @@ impl Qwen3 {
         }
         #[cfg(bot_metal)]
         if let Device::Metal(dev) = &opts.device {
-            model.verify_metal_kernels(dev)?;
+            if model.verify_metal_kernels(dev)? && opts.cuda_step != CudaStep::Ops {
+                model.adopt_metal_step(dev)?;
+            }
         }
         if opts.route == QMatmulRoute::Repack {
             let total = model.projections().count() + 1;
@@ -383,35 +385,27 @@ impl Qwen3 {
     /// Notes gathered since the last call (a fallback at load or during a run), for the caller
     /// to show; the engine prints nothing itself.
     pub fn take_notes(&mut self) -> Vec<String> {
-        #[cfg(feature = "cuda")]
         if let Some(f) = &mut self.fused {
-            self.notes.append(&mut f.notes);
+            self.notes.append(&mut f.take_notes());
         }
         std::mem::take(&mut self.notes)
     }
 
-    /// Whether forwards run the fused CUDA step rather than candle ops.
+    /// Whether forwards run a GPU's fused step rather than candle ops.
     pub fn uses_fused_step(&self) -> bool {
-        #[cfg(feature = "cuda")]
-        if self.fused.is_some() {
-            return true;
-        }
-        false
+        self.fused.is_some()
     }
 
     /// Times every kernel of the fused CUDA step with events from now on (or stops); forwards
     /// then launch eagerly. No effect elsewhere.
     pub fn profile_kernels(&mut self, on: bool) {
-        #[cfg(feature = "cuda")]
         if let Some(f) = &mut self.fused {
             f.set_profiling(on);
         }
-        let _ = on;
     }
 
     /// GPU time per kernel class since `profile_kernels(true)` (empty off the fused step).
     pub fn kernel_times(&mut self) -> Result<Vec<profile::KernelTime>> {
-        #[cfg(feature = "cuda")]
         if let Some(f) = &mut self.fused {
             return f.kernel_times();
         }
@@ -474,7 +468,8 @@ impl Qwen3 {
     /// Runs the self-test on every Metal kernel variant this model dispatches; on a failure
     /// the model moves to the verified route and says so once.
     #[cfg(bot_metal)]
-    fn verify_metal_kernels(&mut self, dev: &candle_core::MetalDevice) -> Result<()> {
+    /// Whether every kernel variant passed (`false`: the model now runs the verified route).
+    fn verify_metal_kernels(&mut self, dev: &candle_core::MetalDevice) -> Result<bool> {
         use crate::engine::metal::{quant::GpuRunner, selftest};
         let quant = |w: &Weight| match w {
             Weight::Quant(q) => Some(crate::engine::quant::QParams::new(q, 1)),
@@ -484,7 +479,7 @@ impl Qwen3 {
         let gathers: Vec<_> = quant(&self.embed_tokens.weight).into_iter().collect();
         let variants = selftest::variants(&matmuls, &gathers);
         if variants.is_empty() {
-            return Ok(());
+            return Ok(true);
         }
         if let Err(why) = selftest::verdict(&selftest::run_all(&GpuRunner(dev), &variants)) {
             self.notes.push(format!(
@@ -492,7 +487,37 @@ impl Qwen3 {
                  f32 where Q4_1 cannot hold a matrix, the embedding gathered on the CPU)"
             ));
             self.use_verified_route()?;
+            return Ok(false);
         }
+        Ok(true)
+    }
+
+    /// Runs forwards on the fused Metal step (`metal::step`) when it takes this model and its
+    /// first forward agrees with candle ops (one token at position 0 on both, then the caches
+    /// are reset); else says why once and keeps candle ops.
+    #[cfg(bot_metal)]
+    fn adopt_metal_step(&mut self, dev: &candle_core::MetalDevice) -> Result<()> {
+        use crate::engine::metal::step::{gpu::MetalStep, unsupported};
+        if let Some(why) = unsupported(&self.view()) {
+            self.notes
+                .push(format!("Metal: {why}; running candle ops instead of the fused step"));
+            return Ok(());
+        }
+        let mut step = MetalStep::new(&self.view(), dev)?;
+        let id = [0u32];
+        let got = step.forward(&id, 0, false)?;
+        let want = self.forward(&id, false, false)?.logits.flatten_all()?.to_vec1::<f32>()?;
+        self.reset();
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let err = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+        if !(err <= 1e-3) {
+            self.notes.push(format!(
+                "Metal: the fused step's first logits differ from candle ops' by {err:.1e} \
+                 (relative); running candle ops instead"
+            ));
+            return Ok(());
+        }
+        self.fused = Some(Fused::Metal(Box::new(step)));
         Ok(())
     }
 
@@ -507,7 +532,7 @@ impl Qwen3 {
     }
 
     /// The weights as the fused step reads them.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "cuda", bot_metal, test)), allow(dead_code))]
     pub(crate) fn view(&self) -> ModelView<'_> {
         ModelView {
             cfg: &self.cfg,
@@ -615,8 +640,12 @@ impl Qwen3 {
                 "forward needs at least one token".into(),
             ));
         }
-        #[cfg(feature = "cuda")]
         if let Some(f) = &mut self.fused {
+            if keep_hidden && !f.keeps_hidden() {
+                return Err(EngineError::Internal(
+                    "the Metal fused step keeps no hidden states (load with the ops step)".into(),
+                ));
+            }
             let (logits, hidden) = f.forward(ids, self.cached.len(), all_logits, keep_hidden)?;
             self.cached.extend_from_slice(ids);
             let rows = if all_logits { l } else { 1 };
@@ -690,7 +719,6 @@ impl Qwen3 {
         let mut rest = ids;
         while rest.len() > PREFILL_CHUNK {
             let (chunk, tail) = rest.split_at(PREFILL_CHUNK);
-            #[cfg(feature = "cuda")]
             if let Some(f) = &mut self.fused {
                 f.forward(chunk, self.cached.len(), false, false)?;
                 self.cached.extend_from_slice(chunk);
@@ -706,7 +734,6 @@ impl Qwen3 {
     /// Logits of the last position of `ids`, as a host vector.
     pub fn next_logits(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
         let ids = self.prefill_chunks(ids)?;
-        #[cfg(feature = "cuda")]
         if let Some(f) = &mut self.fused {
             if ids.is_empty() {
                 return Err(EngineError::Internal(
@@ -725,7 +752,6 @@ impl Qwen3 {
     /// the GPU only the token and its log-probability come back to the host.
     pub fn next_token(&mut self, ids: &[u32], s: &SampleStep) -> Result<Sampled> {
         let ids = self.prefill_chunks(ids)?;
-        #[cfg(feature = "cuda")]
         if let Some(f) = &mut self.fused {
             if ids.is_empty() {
                 return Err(EngineError::Internal(

@@ -63,7 +63,7 @@ static void run(Dispatch& d) {
         };
     } else if (k == "attention_step") {
         body = [&](const Lane& l) {
-            attention_step(D(float, 0), D(const float, 1), D(const float, 2), D(float, 3), D(float, 4),
+            attention_step(D(const float, 0), D(const float, 1), D(const float, 2), D(float, 3), D(float, 4),
                            D(const float, 5), D(const float, 6), C(AttnParams, 7), D(float, 8),
                            D(const float, 9), D(const float, 10), l.tgid, l.index,
                            l.simd_gid, l.simd_lid);

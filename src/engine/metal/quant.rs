@@ -31,6 +31,8 @@ fn err(e: impl std::fmt::Display) -> candle_core::Error {
 pub(crate) enum Lib {
     QMatmul = 0,
     Sample = 1,
+    /// `qmatmul.metal` and `step.metal`: the fused step (`metal::step`).
+    Step = 2,
 }
 
 /// The pipeline of kernel `name` in `lib`, compiling the library on first use.
@@ -39,14 +41,15 @@ pub(crate) fn pipeline(
     lib: Lib,
     name: &'static str,
 ) -> candle_core::Result<ComputePipeline> {
-    static LIBS: [OnceLock<std::result::Result<Library, String>>; 2] =
-        [OnceLock::new(), OnceLock::new()];
+    static LIBS: [OnceLock<std::result::Result<Library, String>>; 3] =
+        [OnceLock::new(), OnceLock::new(), OnceLock::new()];
     static PIPES: Mutex<Vec<(Lib, &'static str, ComputePipeline)>> = Mutex::new(Vec::new());
     let library = LIBS[lib as usize]
         .get_or_init(|| {
             let source = match lib {
                 Lib::QMatmul => plan::SOURCE.to_string(),
                 Lib::Sample => crate::engine::sample::metal_source(),
+                Lib::Step => crate::engine::metal::step::source(),
             };
             // the sampler's exp must not be contracted or reordered: fast math off
             let opts = objc2_metal::MTLCompileOptions::new();

@@ -152,7 +152,7 @@ inline float step_sumsq(device const float* xr, int K, uint tid, uint nt) {
 }
 
 // An extra threadgroup of a matmul (MvParams::a_tgs): simdgroup s computes LoRA A value
-// j = 2 * (tgid.x - tiles) + s of row m, t (M, a_rtot) = rms_norm?(x) @ A^T, A^T (a_rtot, K).
+// j = 2 * (tgid.y - tiles) + s of row m, t (M, a_rtot) = rms_norm?(x) @ A^T, A^T (a_rtot, K).
 inline void step_lora_a(device const float* xr, int j, int m, constant MvParams& p,
                         device const float* norm_w, device const float* at, device float* t,
                         uint lane) {
@@ -174,7 +174,7 @@ inline void step_lora_a(device const float* xr, int j, int m, constant MvParams&
 // each computing 4 output rows; a lane takes 16 codes (one 64-bit word) of each row a step, so a
 // simdgroup covers 512 codes of its rows a step. x is read as float4, times the norm's weight,
 // pre-divided by 1, 16, 256, 4096 so that a code is read with a mask and no shift. Needs
-// K % 16 == 0 and group_size % 16 == 0. Grid: (ceil(N / 8) + a_tgs, M).
+// K % 16 == 0 and group_size % 16 == 0. Grid: (M, ceil(N / 8) + a_tgs).
 kernel void qmv4_step(device const float* x [[buffer(0)]],
                       device const uchar* w [[buffer(1)]],
                       device const uchar* scales [[buffer(2)]],
@@ -192,11 +192,14 @@ kernel void qmv4_step(device const float* x [[buffer(0)]],
                       uint simd_gid [[simdgroup_index_in_threadgroup]],
                       uint simd_lid [[thread_index_in_simdgroup]]) {
     threadgroup float part[STEP_SIMDS];
-    const int K = p.K, N = p.N, m = int(tgid.y);
-    const int row0 = int(tgid.x) * (STEP_SIMDS * STEP_ROWS) + int(simd_gid) * STEP_ROWS;
+    // rows of x vary fastest over the grid, so the threadgroups of one tile of W run together
+    // and a prompt streams W from memory about once
+    const int K = p.K, N = p.N, m = int(tgid.x), tile = int(tgid.y);
+    const int row0 = tile * (STEP_SIMDS * STEP_ROWS) + int(simd_gid) * STEP_ROWS;
     device const float* xr = x + m * K;
-    if (int(tgid.x) >= (N + STEP_SIMDS * STEP_ROWS - 1) / (STEP_SIMDS * STEP_ROWS)) {
-        const int j = 2 * (int(tgid.x) - (N + 7) / 8) + int(simd_gid);
+    const int tiles = (N + STEP_SIMDS * STEP_ROWS - 1) / (STEP_SIMDS * STEP_ROWS);
+    if (tile >= tiles) {
+        const int j = 2 * (tile - tiles) + int(simd_gid);
         step_lora_a(xr, j, m, p, norm_w, a_at, a_t, simd_lid);
         return;
     }
@@ -267,11 +270,14 @@ kernel void qmvg_step(device const float* x [[buffer(0)]],
                       uint simd_gid [[simdgroup_index_in_threadgroup]],
                       uint simd_lid [[thread_index_in_simdgroup]]) {
     threadgroup float part[STEP_SIMDS];
-    const int K = p.K, N = p.N, m = int(tgid.y);
-    const int row0 = int(tgid.x) * (STEP_SIMDS * STEP_ROWS) + int(simd_gid) * STEP_ROWS;
+    // rows of x vary fastest over the grid, so the threadgroups of one tile of W run together
+    // and a prompt streams W from memory about once
+    const int K = p.K, N = p.N, m = int(tgid.x), tile = int(tgid.y);
+    const int row0 = tile * (STEP_SIMDS * STEP_ROWS) + int(simd_gid) * STEP_ROWS;
     device const float* xr = x + m * K;
-    if (int(tgid.x) >= (N + STEP_SIMDS * STEP_ROWS - 1) / (STEP_SIMDS * STEP_ROWS)) {
-        const int j = 2 * (int(tgid.x) - (N + 7) / 8) + int(simd_gid);
+    const int tiles = (N + STEP_SIMDS * STEP_ROWS - 1) / (STEP_SIMDS * STEP_ROWS);
+    if (tile >= tiles) {
+        const int j = 2 * (tile - tiles) + int(simd_gid);
         step_lora_a(xr, j, m, p, norm_w, a_at, a_t, simd_lid);
         return;
     }
@@ -387,7 +393,7 @@ kernel void qk_norm_rope_cache(device float* qkv [[buffer(0)]],
 // does, the first writes the cache; q|k|v's LoRA B term added on the way in) and reads the
 // newest position from threadgroup memory, so no other threadgroup's write is awaited.
 // Output (M, nh * hd).
-kernel void attention_step(device float* qkv [[buffer(0)]],
+kernel void attention_step(device const float* qkv [[buffer(0)]],
                            device const float* qnw [[buffer(1)]],
                            device const float* knw [[buffer(2)]],
                            device float* kc [[buffer(3)]],
@@ -412,7 +418,7 @@ kernel void attention_step(device float* qkv [[buffer(0)]],
     const int nt = 32 * ATT_SIMDS;
     const int h = int(tgid.x), m = int(tgid.y), hd = p.hd, half = hd / 2, t = int(tid);
     const int kvh = h / (p.nh / p.nkv), P = p.pos + m;
-    device float* row = qkv + m * (p.nh + 2 * p.nkv) * hd;
+    device const float* row = qkv + m * (p.nh + 2 * p.nkv) * hd;
     if (p.fused != 0) {
         for (int i = t; i < hd; i += nt) {
             qs[i] = qkv_value(row, m, h * hd + i, p, lora_t, lora_bt);

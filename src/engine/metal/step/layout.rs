@@ -544,3 +544,34 @@ impl StepModel {
         }
     }
 }
+
+impl StepModel {
+    /// Bytes of every buffer whose size depends on the rows, logit rows or cache positions,
+    /// for `rows`, `logit_rows` and `cap` of them.
+    pub fn resizable(&self, rows: usize, logit_rows: usize, cap: usize) -> Vec<(BufId, usize)> {
+        let (d, a) = (&self.d, &self.acts);
+        let f = |n: usize| 4 * n.max(1);
+        let mut v = vec![
+            (a.ids, 4 * rows),
+            (a.x, f(rows * d.h)),
+            (a.qkv, f(rows * d.qkv())),
+            (a.ao, f(rows * d.nh * d.hd)),
+            (a.act, f(rows * 2 * d.inter)),
+            (a.t, f(rows * self.max_rtot)),
+            (a.logits, f(logit_rows * d.vocab)),
+            (a.cos, f(cap * d.hd / 2)),
+            (a.sin, f(cap * d.hd / 2)),
+        ];
+        for l in &self.layers {
+            v.push((l.k_cache, f(cap * d.nkv * d.hd)));
+            v.push((l.v_cache, f(cap * d.nkv * d.hd)));
+        }
+        v
+    }
+
+    /// The RoPE tables (cos, sin) for `cap` positions, as the buffers hold them.
+    pub fn rope_tables(&self, cap: usize) -> (Vec<u8>, Vec<u8>) {
+        let (cos, sin) = rope_angles(self.d.theta, self.d.hd, 0..cap);
+        (f32_bytes(&cos), f32_bytes(&sin))
+    }
+}

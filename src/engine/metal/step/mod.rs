@@ -7,6 +7,8 @@
 //! same list (`gpu`, only where Metal exists). The numerics are those of `qwen3.rs` (mlx_lm's
 //! Qwen3), the reference and the path of the other devices.
 
+#[cfg(bot_metal)]
+pub mod gpu;
 pub mod layout;
 pub mod plan;
 #[cfg(test)]

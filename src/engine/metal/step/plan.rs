@@ -292,7 +292,7 @@ impl StepModel {
         out.push(Dispatch {
             lib: Lib::Step,
             kernel,
-            grid: [p.n.div_ceil(MV_ROWS) + a_tgs, rows, 1],
+            grid: [rows, p.n.div_ceil(MV_ROWS) + a_tgs, 1],
             threads: [MV_THREADS, 1, 1],
             args: vec![
                 x.clone(),
@@ -339,4 +339,18 @@ pub fn decode_counts(model: &StepModel, sample_threads: usize) -> (usize, usize)
         .unwrap_or(0);
     let per_token = plan.iter().filter(|d| d.layer.is_none()).count();
     (per_layer, per_token)
+}
+
+/// The slots a kernel writes (the rest it only reads): the GPU declares them so that the
+/// encoder orders the dispatches.
+pub fn written(kernel: &str) -> &'static [usize] {
+    match kernel {
+        "qgather" => &[4],
+        "qmv4_step" | "qmvg_step" => &[4, 11],
+        "lora_a_step" => &[2],
+        "qk_norm_rope_cache" => &[0, 3, 4],
+        "attention_step" => &[3, 4, 8],
+        "sample_f32" => &[1, 5, 6],
+        _ => &[],
+    }
 }

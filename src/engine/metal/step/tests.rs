@@ -265,3 +265,25 @@ fn decode_step_dispatch_counts_at_qwen3_shapes() {
         }
     }
 }
+
+/// Every buffer a kernel writes under the shim is declared written for the GPU's encoder
+/// (`plan::written`), or its readers could run before it is done.
+#[test]
+fn every_written_slot_is_declared() {
+    // the kernels' writable parameters, read off the MSL: `device T*` without `const`
+    let src = format!("{}\n{}", super::source(), crate::engine::sample::metal_source());
+    for kernel in ["qgather", "qmv4_step", "qmvg_step", "lora_a_step", "qk_norm_rope_cache", "attention_step", "sample_f32"] {
+        let start = src.find(&format!("kernel void {kernel}(")).unwrap();
+        let sig = &src[start..start + src[start..].find('{').unwrap()];
+        let mut writable: Vec<usize> = sig
+            .split(',')
+            .filter(|p| p.contains("device ") && !p.contains("device const"))
+            .map(|p| {
+                let i = p.find("[[buffer(").unwrap() + 9;
+                p[i..i + p[i..].find(')').unwrap()].parse().unwrap()
+            })
+            .collect();
+        writable.sort();
+        assert_eq!(writable, plan::written(kernel), "{kernel}");
+    }
+}
