@@ -499,17 +499,26 @@ impl Qwen3 {
     fn adopt_metal_step(&mut self, dev: &candle_core::MetalDevice) -> Result<()> {
         use crate::engine::metal::step::{gpu::MetalStep, unsupported};
         if let Some(why) = unsupported(&self.view()) {
-            self.notes
-                .push(format!("Metal: {why}; running candle ops instead of the fused step"));
+            self.notes.push(format!(
+                "Metal: {why}; running candle ops instead of the fused step"
+            ));
             return Ok(());
         }
         let mut step = MetalStep::new(&self.view(), dev)?;
         let id = [0u32];
         let got = step.forward(&id, 0, false)?;
-        let want = self.forward(&id, false, false)?.logits.flatten_all()?.to_vec1::<f32>()?;
+        let want = self
+            .forward(&id, false, false)?
+            .logits
+            .flatten_all()?
+            .to_vec1::<f32>()?;
         self.reset();
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let err = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+        let err = got
+            .iter()
+            .zip(&want)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+            / scale;
         if !(err <= 1e-3) {
             self.notes.push(format!(
                 "Metal: the fused step's first logits differ from candle ops' by {err:.1e} \

@@ -87,6 +87,36 @@ inline float simd_sum(float v) {
     return s;
 }
 
+// Metal's 8x8 simdgroup matrices, emulated: every lane holds the whole matrix (the operations
+// are collective, so every lane computes the same thing); a store is written by lane 0 only.
+struct simdgroup_float8x8 {
+    float v[64];
+};
+template <typename T, int C, int R>
+inline simdgroup_float8x8 make_filled_simdgroup_matrix(T value) {
+    static_assert(C == 8 && R == 8, "8x8 only");
+    simdgroup_float8x8 m;
+    for (float& x : m.v) x = value;
+    return m;
+}
+inline void simdgroup_load(simdgroup_float8x8& d, const float* src, ulong elements_per_row) {
+    for (int r = 0; r < 8; r++)
+        for (int c = 0; c < 8; c++) d.v[r * 8 + c] = src[r * elements_per_row + c];
+}
+inline void simdgroup_store(const simdgroup_float8x8& s, float* dst, ulong elements_per_row);
+// d = a * b + c, fp32 (d may be c)
+inline void simdgroup_multiply_accumulate(simdgroup_float8x8& d, const simdgroup_float8x8& a,
+                                          const simdgroup_float8x8& b, const simdgroup_float8x8& c) {
+    simdgroup_float8x8 out;
+    for (int r = 0; r < 8; r++)
+        for (int col = 0; col < 8; col++) {
+            float acc = c.v[r * 8 + col];
+            for (int k = 0; k < 8; k++) acc = std::fma(a.v[r * 8 + k], b.v[k * 8 + col], acc);
+            out.v[r * 8 + col] = acc;
+        }
+    d = out;
+}
+
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2 };
 inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
 inline void threadgroup_barrier(mem_flags) { t_tg->arrive_and_wait(); }
@@ -112,6 +142,12 @@ inline float exp(float x) { return std::exp(x); }
 inline float log(float x) { return std::log(x); }
 }  // namespace precise
 inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
+
+inline void simdgroup_store(const simdgroup_float8x8& s, float* dst, ulong elements_per_row) {
+    if (t_lane != 0) return;
+    for (int r = 0; r < 8; r++)
+        for (int c = 0; c < 8; c++) dst[r * elements_per_row + c] = s.v[r * 8 + c];
+}
 
 // What one lane is told about where it is (`index`: its thread_index_in_threadgroup).
 struct Lane {

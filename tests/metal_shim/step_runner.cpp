@@ -42,8 +42,8 @@ struct Dispatch {
 static void run(Dispatch& d) {
     std::function<void(const Lane&)> body;
     const std::string& k = d.name;
-    if (k == "qmv4_step" || k == "qmvg_step") {
-        auto f = k == "qmv4_step" ? qmv4_step : qmvg_step;
+    if (k == "qmv4_step" || k == "qmvg_step" || k == "qmm_step") {
+        auto f = k == "qmv4_step" ? qmv4_step : k == "qmvg_step" ? qmvg_step : qmm_step;
         body = [&, f](const Lane& l) {
             f(D(const float, 0), D(const uchar, 1), D(const uchar, 2), D(const uchar, 3), D(float, 4),
               C(MvParams, 5), D(const float, 6), D(const float, 7), D(const float, 8), D(const float, 9),

@@ -6,6 +6,7 @@
 //                          float4, a scale and bias per 16 codes) and any width; the input norm
 //                          inside (its row scale multiplies the finished dot products), LoRA B,
 //                          the residual add, and SwiGLU over interleaved (gate, up) rows after.
+//   qmm_step               prompts: the same, on 8x8 simdgroup matrices over 32x32 tiles.
 //   lora_a_step            t = rms_norm?(x) @ A^T, the LoRA A product of every part at once.
 //   qk_norm_rope_cache     prompts: q/k RMSNorm, half-split RoPE, the K/V rows into the cache.
 //   attention_step         one query row of one head over the cache, online softmax; at decode
@@ -14,7 +15,8 @@
 // Like qmatmul.metal this file is compiled as C++ under tests/metal_shim/shim.h, which runs the
 // whole planned step on the tiny fixture models against the CPU forward. Keep to what the shim
 // provides: scalar types, float4 and uint2 with component access, `as_type`, `simd_sum`,
-// `threadgroup_barrier`, `exp`, `rsqrt`, `fma`, `min`, `max`; no pointers to thread or
+// `threadgroup_barrier`, `exp`, `rsqrt`, `fma`, `min`, `max`, `simdgroup_float8x8` with
+// load/store from threadgroup memory and multiply-accumulate; no pointers to thread or
 // threadgroup memory (index arrays instead), every pointer parameter with its address space.
 
 // What happens to an output after the matmul, in mlx_lm's order (base + LoRA, then residual +
@@ -89,6 +91,10 @@ inline float qkv_value(device const float* row, int m, int n, constant AttnParam
     }
     return v;
 }
+
+#ifndef BOT_METAL_SHIM
+#include <metal_simdgroup_matrix>
+#endif
 
 #define STEP_ROWS 4
 #define STEP_SIMDS 2
@@ -327,6 +333,110 @@ kernel void lora_a_step(device const float* x [[buffer(0)]],
     dot = simd_sum(dot);
     const float rn = p.norm != 0 ? rsqrt(ss / float(K) + p.eps) : 1.f;
     if (simd_lid == 0) t[m * p.rtot + j] = dot * rn;
+}
+
+#define QMM_BM 32
+#define QMM_BN 32
+#define QMM_BK 32
+#define QMM_THREADS 128
+
+// Prompts (more than 8 rows): a threadgroup of 4 simdgroups computes a 32 (rows of x) by 32
+// (rows of W) tile of y on 8x8 simdgroup matrices. Each K step stages 32x32 of x (times the
+// norm's weight) and a dequantized 32x32 tile of W, transposed, in threadgroup memory; simdgroup
+// s owns the 16x16 quadrant (s / 2, s % 2) as four 8x8 accumulators. The tile then goes through
+// threadgroup memory to the same finish as the decode kernels: the norm's row scale, LoRA B,
+// residual, SwiGLU over (gate, up) column pairs. Extra threadgroups past ceil(N / 32) compute the
+// LoRA A product as qmv4_step's do, for every row of their tile. Any width and group size.
+// Grid: (ceil(M / 32), ceil(N / 32) + a_tgs).
+kernel void qmm_step(device const float* x [[buffer(0)]],
+                     device const uchar* w [[buffer(1)]],
+                     device const uchar* scales [[buffer(2)]],
+                     device const uchar* biases [[buffer(3)]],
+                     device float* y [[buffer(4)]],
+                     constant MvParams& p [[buffer(5)]],
+                     device const float* norm_w [[buffer(6)]],
+                     device const float* residual [[buffer(7)]],
+                     device const float* lora_t [[buffer(8)]],
+                     device const float* lora_bt [[buffer(9)]],
+                     device const float* a_at [[buffer(10)]],
+                     device float* a_t [[buffer(11)]],
+                     uint3 tgid [[threadgroup_position_in_grid]],
+                     uint tid [[thread_index_in_threadgroup]],
+                     uint simd_gid [[simdgroup_index_in_threadgroup]],
+                     uint simd_lid [[thread_index_in_simdgroup]]) {
+    threadgroup float Xs[QMM_BM * QMM_BK];  // (m, k)
+    threadgroup float Ws[QMM_BK * QMM_BN];  // (k, n)
+    threadgroup float Cs[QMM_BM * QMM_BN];  // (m, n)
+    threadgroup float rn[QMM_BM];
+    const int K = p.K, N = p.N, M = p.M;
+    const int m0 = int(tgid.x) * QMM_BM, tile = int(tgid.y);
+    const int tiles = (N + QMM_BN - 1) / QMM_BN;
+    if (tile >= tiles) {
+        if (simd_gid < 2) {
+            const int j = 2 * (tile - tiles) + int(simd_gid);
+            for (int m = m0; m < min(m0 + QMM_BM, M); m++)
+                step_lora_a(x + m * K, j, m, p, norm_w, a_at, a_t, simd_lid);
+        }
+        return;
+    }
+    const int n0 = tile * QMM_BN;
+    // the norm's row scales: simdgroup s takes rows s, s + 4, ...
+    for (int r = int(simd_gid); r < QMM_BM; r += QMM_THREADS / 32) {
+        const int m = m0 + r;
+        float ss = 0.f;
+        if (m < M && p.norm != 0) {
+            for (int k = int(simd_lid); k < K; k += 32) ss = fma(x[m * K + k], x[m * K + k], ss);
+        }
+        ss = simd_sum(ss);
+        if (simd_lid == 0) rn[r] = p.norm != 0 ? rsqrt(ss / float(K) + p.eps) : 1.f;
+    }
+    simdgroup_float8x8 acc[4];
+    for (int i = 0; i < 4; i++) acc[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.f);
+    const int sr = int(simd_gid) / 2 * 16, sc = int(simd_gid) % 2 * 16;
+    const int row_bytes = K * p.bits / 8, groups = K / p.group_size;
+    for (int k0 = 0; k0 < K; k0 += QMM_BK) {
+        for (int i = int(tid); i < QMM_BM * QMM_BK; i += QMM_THREADS) {
+            const int r = i / QMM_BK, kk = i % QMM_BK, m = m0 + r, n = n0 + r, k = k0 + kk;
+            float xv = 0.f;
+            if (m < M && k < K) xv = p.norm != 0 ? x[m * K + k] * norm_w[k] : x[m * K + k];
+            Xs[r * QMM_BK + kk] = xv;
+            float wv = 0.f;
+            if (n < N && k < K) {
+                const int g = n * groups + k / p.group_size;
+                wv = load_param(scales, g, p.sdtype) * float(code_at(w + n * row_bytes, k, p.bits)) +
+                     load_param(biases, g, p.sdtype);
+            }
+            Ws[kk * QMM_BN + r] = wv;
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        for (int kk = 0; kk < QMM_BK; kk += 8) {
+            simdgroup_float8x8 a0, a1, b0, b1;
+            simdgroup_load(a0, Xs + sr * QMM_BK + kk, QMM_BK);
+            simdgroup_load(a1, Xs + (sr + 8) * QMM_BK + kk, QMM_BK);
+            simdgroup_load(b0, Ws + kk * QMM_BN + sc, QMM_BN);
+            simdgroup_load(b1, Ws + kk * QMM_BN + sc + 8, QMM_BN);
+            simdgroup_multiply_accumulate(acc[0], a0, b0, acc[0]);
+            simdgroup_multiply_accumulate(acc[1], a0, b1, acc[1]);
+            simdgroup_multiply_accumulate(acc[2], a1, b0, acc[2]);
+            simdgroup_multiply_accumulate(acc[3], a1, b1, acc[3]);
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+    for (int i = 0; i < 4; i++)
+        simdgroup_store(acc[i], Cs + (sr + 8 * (i / 2)) * QMM_BN + sc + 8 * (i % 2), QMM_BN);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int i = int(tid); i < QMM_BM * QMM_BN; i += QMM_THREADS) {
+        const int r = i / QMM_BN, c = i % QMM_BN, m = m0 + r, n = n0 + c;
+        if (m >= M || n >= N) continue;
+        if (p.e.swiglu != 0) {
+            if ((c & 1) != 0) continue;  // the pair's even thread writes it
+            const float g = step_epilogue(Cs[i] * rn[r], m, n, p, residual, lora_t, lora_bt);
+            const float u = step_epilogue(Cs[i + 1] * rn[r], m, n + 1, p, residual, lora_t, lora_bt);
+            y[m * (N / 2) + n / 2] = g / (1.f + exp(-g)) * u;
+        } else {
+            y[m * N + n] = step_epilogue(Cs[i] * rn[r], m, n, p, residual, lora_t, lora_bt);
+        }
+    }
 }
 
 // The largest head_dim the attention kernels take.

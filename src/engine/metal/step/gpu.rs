@@ -17,8 +17,9 @@ use crate::engine::metal::quant::{pipeline, Lib as QLib};
 use crate::engine::sample::{decode_kernel_output, NonFinite, SampleState, SampleStep, Sampled};
 
 /// Every kernel the plan can name, compiled at load so that a refused library is an error then.
-const KERNELS: [(Lib, &str); 7] = [
+const KERNELS: [(Lib, &str); 8] = [
     (Lib::Step, "qgather"),
+    (Lib::Step, "qmm_step"),
     (Lib::Step, "qmv4_step"),
     (Lib::Step, "qmvg_step"),
     (Lib::Step, "lora_a_step"),
@@ -79,10 +80,14 @@ impl MetalStep {
             pipes.insert(name, pipeline(dev, l, name)?);
         }
         // the sampler needs a power of two of threads, up to 1024 (what the pipeline allows)
-        let max = pipes["sample_f32"].max_total_threads_per_threadgroup().min(1024);
+        let max = pipes["sample_f32"]
+            .max_total_threads_per_threadgroup()
+            .min(1024);
         let sample_threads = 1usize << max.max(1).ilog2();
         if sample_threads < 32 {
-            return Err(err(format!("the sampler needs 32 threads, got {sample_threads}")));
+            return Err(err(format!(
+                "the sampler needs 32 threads, got {sample_threads}"
+            )));
         }
         Ok(MetalStep {
             dev: dev.clone(),
@@ -100,7 +105,9 @@ impl MetalStep {
         let b = &self.bufs[id.0 as usize];
         // SAFETY: the GPU is idle (every forward waits for its command buffer), and `ensure`
         // sized the buffer for what is written
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), b.contents(), bytes.len().min(b.length())) }
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), b.contents(), bytes.len().min(b.length()))
+        }
     }
 
     fn read(&self, id: BufId, len: usize) -> Vec<u8> {
@@ -148,7 +155,13 @@ impl MetalStep {
     }
 
     /// Encodes the plan of a forward of `ids` at `pos` in one command buffer and waits for it.
-    fn run(&mut self, ids: &[u32], pos: usize, all_logits: bool, sample: Option<SampleCall>) -> Result<()> {
+    fn run(
+        &mut self,
+        ids: &[u32],
+        pos: usize,
+        all_logits: bool,
+        sample: Option<SampleCall>,
+    ) -> Result<()> {
         let vocab = self.model.d.vocab;
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
             return Err(EngineError::TokenOutOfRange { id, vocab });

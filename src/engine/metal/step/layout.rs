@@ -461,7 +461,7 @@ impl StepModel {
         lora: Option<usize>,
     ) -> Self {
         let mut a = Arena::default();
-        let mut proj = |a: &mut Arena, parts: &[usize], k: usize, interleaved: bool| {
+        let proj = |a: &mut Arena, parts: &[usize], k: usize, interleaved: bool| {
             let n: usize = parts.iter().sum();
             let mut zeros = |len| a.add("shaped", Init::Zeros(len));
             let (w, s, b) = (

@@ -41,6 +41,10 @@ pub struct Dispatch {
 /// Threads of a matmul threadgroup (2 simdgroups of 4 rows) and the rows it covers.
 const MV_THREADS: usize = 64;
 const MV_ROWS: usize = 8;
+/// Rows of x up to which the decode kernels run; the tiled prompt kernel's tile and threads.
+const QMV_MAX_ROWS: usize = 8;
+const QMM_TILE: usize = 32;
+const QMM_THREADS: usize = 128;
 /// Threads of an attention threadgroup (`ATT_SIMDS` simdgroups).
 const ATT_THREADS: usize = 128;
 
@@ -280,10 +284,23 @@ impl StepModel {
             a_tgs as i32,
             a_inside.map_or(0, |l| l.rtot as i32),
         ]);
-        let kernel = if p.bits == 4 && p.k % 16 == 0 && p.group_size % 16 == 0 {
-            "qmv4_step"
+        // decode kernels stream W once per row of x; past a few rows the tiled kernel reuses
+        // each tile of W for 32 rows
+        let (kernel, grid, threads) = if rows > QMV_MAX_ROWS {
+            let grid = [rows.div_ceil(QMM_TILE), p.n.div_ceil(QMM_TILE) + a_tgs, 1];
+            ("qmm_step", grid, QMM_THREADS)
+        } else if p.bits == 4 && p.k % 16 == 0 && p.group_size % 16 == 0 {
+            (
+                "qmv4_step",
+                [rows, p.n.div_ceil(MV_ROWS) + a_tgs, 1],
+                MV_THREADS,
+            )
         } else {
-            "qmvg_step"
+            (
+                "qmvg_step",
+                [rows, p.n.div_ceil(MV_ROWS) + a_tgs, 1],
+                MV_THREADS,
+            )
         };
         let (t_out, at) = match a_inside {
             Some(l) => (a.t, buf(l.at)),
@@ -292,8 +309,8 @@ impl StepModel {
         out.push(Dispatch {
             lib: Lib::Step,
             kernel,
-            grid: [rows, p.n.div_ceil(MV_ROWS) + a_tgs, 1],
-            threads: [MV_THREADS, 1, 1],
+            grid,
+            threads: [threads, 1, 1],
             args: vec![
                 x.clone(),
                 buf(p.w),
@@ -346,7 +363,7 @@ pub fn decode_counts(model: &StepModel, sample_threads: usize) -> (usize, usize)
 pub fn written(kernel: &str) -> &'static [usize] {
     match kernel {
         "qgather" => &[4],
-        "qmv4_step" | "qmvg_step" => &[4, 11],
+        "qmv4_step" | "qmvg_step" | "qmm_step" => &[4, 11],
         "lora_a_step" => &[2],
         "qk_norm_rope_cache" => &[0, 3, 4],
         "attention_step" => &[3, 4, 8],

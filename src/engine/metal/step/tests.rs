@@ -120,23 +120,31 @@ const GREEDY: KernelParams = KernelParams {
     penalty: 1.0,
 };
 
-/// A 5-token prompt (every row's logits: the prompt kernels), then three decode steps (the
-/// fused attention), the last one ending with the sampler; each against the CPU forward.
-fn step_matches_cpu(mut cpu: Qwen3, what: &str) -> Vec<f32> {
+/// A prompt of `n` tokens (every row's logits: the prompt kernels; more than 8 rows take the
+/// tiled `qmm_step`), then three decode steps (the fused attention), the last one ending with the
+/// sampler; each against the CPU forward.
+fn step_matches_cpu(mut cpu: Qwen3, what: &str, n: usize) -> Vec<f32> {
     let view = cpu.view();
     assert_eq!(unsupported(&view), None, "{what}");
-    let model = StepModel::new(&view, 5, 5, 16).unwrap();
+    let model = StepModel::new(&view, n, n, n + 3).unwrap();
     let shim = Shim::new(&model.arena);
     let vocab = model.d.vocab;
-    let prompt = [401u32, 17, 250, 3, 402];
+    let prompt: Vec<u32> = [401u32, 17, 250, 3, 402, 99, 7, 300, 42, 11, 12, 13, 260, 5]
+        .into_iter()
+        .cycle()
+        .take(n)
+        .collect();
     shim.write(model.acts.ids, &ids_bytes(&prompt));
-    shim.run(&model.plan(prompt.len(), 0, true, None));
+    let plan = model.plan(prompt.len(), 0, true, None);
+    let tiled = plan.iter().any(|d| d.kernel == "qmm_step");
+    assert_eq!(tiled, n > 8, "{what}: the prompt kernel");
+    shim.run(&plan);
     let want = cpu.forward(&prompt, true, false).unwrap().logits;
     let want: Vec<f32> = want.flatten_all().unwrap().to_vec1().unwrap();
-    let got = shim.floats(model.acts.logits, 5 * vocab);
+    let got = shim.floats(model.acts.logits, n * vocab);
     let err = rel_err(&got, &want);
     assert!(err <= 1e-4, "{what} prompt: relative error {err:.2e}");
-    let mut next = Qwen3::argmax(&want[4 * vocab..]);
+    let mut next = Qwen3::argmax(&want[(n - 1) * vocab..]);
     let mut pos = prompt.len();
     let mut last = Vec::new();
     for step in 0..3 {
@@ -195,13 +203,15 @@ fn load(variant: &str, adapter: Option<&str>) -> Qwen3 {
 
 #[test]
 fn fused_step_at_4_bits_matches_the_cpu_forward_under_the_shim() {
-    step_matches_cpu(load("q4g64", None), "q4g64");
+    step_matches_cpu(load("q4g64", None), "q4g64", 5);
+    step_matches_cpu(load("q4g64", None), "q4g64", 12);
 }
 
 #[test]
 fn fused_step_at_other_widths_and_tied_heads_matches_the_cpu_forward_under_the_shim() {
-    step_matches_cpu(load("q8g64", None), "q8g64");
-    step_matches_cpu(load("q4g64_tied", None), "q4g64_tied");
+    step_matches_cpu(load("q8g64", None), "q8g64", 12);
+    step_matches_cpu(load("q3g64", None), "q3g64", 5);
+    step_matches_cpu(load("q4g64_tied", None), "q4g64_tied", 5);
 }
 
 /// The LoRA epilogues of every projection (the synthetic adapter covers all seven: q|k|v's A
@@ -215,14 +225,14 @@ fn fused_step_with_adapters_matches_the_cpu_forward_under_the_shim() {
     let dev = candle_core::Device::Cpu;
     let adapter = crate::engine::synthetic::lora(&cfg, 3, &dev).unwrap();
     let cpu = Qwen3::new(cfg, &store, Some(adapter), &ModelOptions::default()).unwrap();
-    let with = step_matches_cpu(cpu, "q4g64 + synthetic adapter");
-    let without = step_matches_cpu(load("q4g64", None), "q4g64");
+    let with = step_matches_cpu(cpu, "q4g64 + synthetic adapter", 12);
+    let without = step_matches_cpu(load("q4g64", None), "q4g64", 12);
     // the adapter changes the logits by more than the tolerance: its terms were exercised
     assert!(
         rel_err(&with, &without) > 1e-3,
         "the synthetic adapter changed nothing"
     );
-    step_matches_cpu(load("q4g64", Some("adapter")), "q4g64 + fixture adapter");
+    step_matches_cpu(load("q4g64", Some("adapter")), "q4g64 + fixture adapter", 5);
 }
 
 /// Qwen3 0.6B, 4B and 8B: a decode step is at most eight dispatches a layer (five without an
@@ -271,8 +281,21 @@ fn decode_step_dispatch_counts_at_qwen3_shapes() {
 #[test]
 fn every_written_slot_is_declared() {
     // the kernels' writable parameters, read off the MSL: `device T*` without `const`
-    let src = format!("{}\n{}", super::source(), crate::engine::sample::metal_source());
-    for kernel in ["qgather", "qmv4_step", "qmvg_step", "lora_a_step", "qk_norm_rope_cache", "attention_step", "sample_f32"] {
+    let src = format!(
+        "{}\n{}",
+        super::source(),
+        crate::engine::sample::metal_source()
+    );
+    for kernel in [
+        "qgather",
+        "qmv4_step",
+        "qmvg_step",
+        "qmm_step",
+        "lora_a_step",
+        "qk_norm_rope_cache",
+        "attention_step",
+        "sample_f32",
+    ] {
         let start = src.find(&format!("kernel void {kernel}(")).unwrap();
         let sig = &src[start..start + src[start..].find('{').unwrap()];
         let mut writable: Vec<usize> = sig
