@@ -31,18 +31,7 @@ impl Fused {
             #[cfg(feature = "cuda")]
             Fused::Cuda(f) => f.forward(ids, pos, all_logits, keep_hidden),
             #[cfg(bot_metal)]
-            Fused::Metal(f) => Ok((f.forward(ids, pos, all_logits)?, Vec::new())),
-            Fused::Never(n) => match *n {},
-        }
-    }
-
-    /// Whether `forward` can give the hidden states (else the caller takes candle ops).
-    pub fn keeps_hidden(&self) -> bool {
-        match self {
-            #[cfg(feature = "cuda")]
-            Fused::Cuda(_) => true,
-            #[cfg(bot_metal)]
-            Fused::Metal(_) => false,
+            Fused::Metal(f) => f.forward(ids, pos, all_logits, keep_hidden),
             Fused::Never(n) => match *n {},
         }
     }

@@ -506,7 +506,7 @@ impl Qwen3 {
         }
         let mut step = MetalStep::new(&self.view(), dev)?;
         let id = [0u32];
-        let got = step.forward(&id, 0, false)?;
+        let (got, _) = step.forward(&id, 0, false, false)?;
         let want = self
             .forward(&id, false, false)?
             .logits
@@ -650,11 +650,6 @@ impl Qwen3 {
             ));
         }
         if let Some(f) = &mut self.fused {
-            if keep_hidden && !f.keeps_hidden() {
-                return Err(EngineError::Internal(
-                    "the Metal fused step keeps no hidden states (load with the ops step)".into(),
-                ));
-            }
             let (logits, hidden) = f.forward(ids, self.cached.len(), all_logits, keep_hidden)?;
             self.cached.extend_from_slice(ids);
             let rows = if all_logits { l } else { 1 };

@@ -154,13 +154,16 @@ impl MetalStep {
         Ok(())
     }
 
-    /// Encodes the plan of a forward of `ids` at `pos` in one command buffer and waits for it.
+    /// Encodes the plan of a forward of `ids` at `pos` in one command buffer and waits for it;
+    /// with `hidden`, one command buffer per layer instead, and the residual stream read after
+    /// the embedding and after every layer, then the final norm's output (computed here).
     fn run(
         &mut self,
         ids: &[u32],
         pos: usize,
         all_logits: bool,
         sample: Option<SampleCall>,
+        mut hidden: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<()> {
         let vocab = self.model.d.vocab;
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
@@ -171,6 +174,39 @@ impl MetalStep {
         let idb: Vec<u8> = ids.iter().flat_map(|v| v.to_le_bytes()).collect();
         self.write(self.model.acts.ids, &idb);
         let plan = self.model.plan(m, pos, all_logits, sample);
+        if hidden.is_none() {
+            self.encode(&plan)?;
+            return Ok(());
+        }
+        let h = self.model.d.h;
+        for (range, read) in plan::hidden_segments(&plan) {
+            self.encode(&plan[range])?;
+            if read {
+                let x = self.floats(self.model.acts.x, m * h);
+                if let Some(out) = hidden.as_deref_mut() {
+                    out.push(x);
+                }
+            }
+        }
+        // the final norm's output, as candle ops keep it: the rows the logits are of
+        let rows = if all_logits { m } else { 1 };
+        let x = self.floats(self.model.acts.x, m * h);
+        let g = self.floats(self.model.norm, h);
+        let eps = self.model.d.eps;
+        let mut normed = Vec::with_capacity(rows * h);
+        for r in x[(m - rows) * h..].chunks_exact(h) {
+            let ms = r.iter().map(|v| v * v).sum::<f32>() / h as f32;
+            let s = 1.0 / (ms + eps).sqrt();
+            normed.extend(r.iter().zip(&g).map(|(v, w)| v * s * w));
+        }
+        if let Some(out) = hidden {
+            out.push(normed);
+        }
+        Ok(())
+    }
+
+    /// Encodes `plan` in one command buffer and waits for it.
+    fn encode(&self, plan: &[plan::Dispatch]) -> Result<()> {
         let size = |v: [usize; 3]| MTLSize {
             width: v[0],
             height: v[1],
@@ -179,7 +215,7 @@ impl MetalStep {
         {
             let guard = self.dev.command_encoder()?;
             let enc = guard.as_ref();
-            for d in &plan {
+            for d in plan {
                 let pipe = self
                     .pipes
                     .get(d.kernel)
@@ -207,15 +243,32 @@ impl MetalStep {
         Ok(())
     }
 
-    /// Runs `ids` at cache position `pos`; the logits of the last position (or of every one).
-    pub fn forward(&mut self, ids: &[u32], pos: usize, all_logits: bool) -> Result<Vec<f32>> {
-        self.run(ids, pos, all_logits, None)?;
-        let n = if all_logits { ids.len() } else { 1 } * self.model.d.vocab;
-        Ok(self
-            .read(self.model.acts.logits, 4 * n)
+    fn floats(&self, id: BufId, n: usize) -> Vec<f32> {
+        self.read(id, 4 * n)
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect())
+            .collect()
+    }
+
+    /// Runs `ids` at cache position `pos`; the logits of the last position (or of every one)
+    /// and, when asked for, the hidden states as `Qwen3::forward` gives them.
+    pub fn forward(
+        &mut self,
+        ids: &[u32],
+        pos: usize,
+        all_logits: bool,
+        keep_hidden: bool,
+    ) -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
+        let mut hidden = Vec::new();
+        self.run(
+            ids,
+            pos,
+            all_logits,
+            None,
+            keep_hidden.then_some(&mut hidden),
+        )?;
+        let n = if all_logits { ids.len() } else { 1 } * self.model.d.vocab;
+        Ok((self.floats(self.model.acts.logits, n), hidden))
     }
 
     /// Runs `ids` at `pos` and samples the next token on the GPU in the same command buffer:
@@ -232,7 +285,7 @@ impl MetalStep {
             params: s.params,
             threads: self.sample_threads,
         };
-        self.run(ids, pos, false, Some(call))?;
+        self.run(ids, pos, false, Some(call), None)?;
         let b = self.read(self.model.acts.sample_out, 12);
         let w = |i: usize| u32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]);
         Ok(decode_kernel_output([w(0), w(1), w(2)]))

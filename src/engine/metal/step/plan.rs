@@ -358,6 +358,27 @@ pub fn decode_counts(model: &StepModel, sample_threads: usize) -> (usize, usize)
     (per_layer, per_token)
 }
 
+/// The plan cut where the hidden states are read (`Qwen3::forward` keeps the residual stream
+/// after the embedding and after every layer): each piece, and whether x is read after it.
+pub fn hidden_segments(plan: &[Dispatch]) -> Vec<(std::ops::Range<usize>, bool)> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < plan.len() {
+        let layer = plan[start].layer;
+        let mut end = start + 1;
+        while end < plan.len() && plan[end].layer == layer {
+            end += 1;
+        }
+        if layer.is_none() && start > 0 {
+            // the head and the sampler: nothing read after them but the logits
+            end = plan.len();
+        }
+        out.push((start..end, end < plan.len() || start == 0));
+        start = end;
+    }
+    out
+}
+
 /// The slots a kernel writes (the rest it only reads): the GPU declares them so that the
 /// encoder orders the dispatches.
 pub fn written(kernel: &str) -> &'static [usize] {

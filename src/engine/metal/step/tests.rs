@@ -310,3 +310,39 @@ fn every_written_slot_is_declared() {
         assert_eq!(writable, plan::written(kernel), "{kernel}");
     }
 }
+
+/// With hidden states kept, the GPU reads x after the embedding and after every layer: as many
+/// reads as `Qwen3::forward` keeps states before the final norm, at the layer boundaries.
+#[test]
+fn hidden_state_segments_end_at_every_layer() {
+    let cpu = load("q4g64", None);
+    let model = StepModel::new(&cpu.view(), 3, 3, 8).unwrap();
+    for (m, sample) in [
+        (3, None),
+        (
+            1,
+            Some(SampleCall {
+                params: GREEDY,
+                threads: 64,
+            }),
+        ),
+    ] {
+        let plan = model.plan(m, 0, false, sample);
+        let segs = plan::hidden_segments(&plan);
+        let reads = segs.iter().filter(|(_, r)| *r).count();
+        assert_eq!(reads, model.layers.len() + 1);
+        assert_eq!(segs.iter().map(|(r, _)| r.len()).sum::<usize>(), plan.len());
+        assert_eq!(
+            plan[segs[0].0.clone()]
+                .iter()
+                .map(|d| d.kernel)
+                .collect::<Vec<_>>(),
+            ["qgather"]
+        );
+        for (i, (r, _)) in segs[1..=model.layers.len()].iter().enumerate() {
+            assert!(plan[r.clone()].iter().all(|d| d.layer == Some(i)));
+        }
+        let (last, read) = segs.last().unwrap();
+        assert!(!read && plan[last.clone()].iter().all(|d| d.layer.is_none()));
+    }
+}
