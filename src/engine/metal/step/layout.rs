@@ -79,12 +79,12 @@ impl Arena {
         id
     }
 
-    fn add(&mut self, name: impl Into<String>, init: Init) -> BufId {
+    pub(crate) fn add(&mut self, name: impl Into<String>, init: Init) -> BufId {
         self.bufs.push((name.into(), init));
         BufId(self.bufs.len() as u32 - 1)
     }
 
-    fn floats(&mut self, name: impl Into<String>, v: &[f32]) -> BufId {
+    pub(crate) fn floats(&mut self, name: impl Into<String>, v: &[f32]) -> BufId {
         self.add(name, Init::Bytes(f32_bytes(v)))
     }
 
@@ -331,7 +331,7 @@ impl StepModel {
 
 impl Proj {
     /// One matrix, its bytes shared with the loaded model.
-    fn shared(a: &mut Arena, name: &str, q: &Arc<QMatrix>) -> Self {
+    pub(crate) fn shared(a: &mut Arena, name: &str, q: &Arc<QMatrix>) -> Self {
         Proj {
             w: a.matrix(format!("{name}.weight"), q, Part::Codes),
             s: a.matrix(format!("{name}.scales"), q, Part::Scales),

@@ -66,13 +66,14 @@ pub struct SampleCall {
 
 /// How a matmul's output is finished.
 #[derive(Clone, Copy, Default)]
-struct Finish {
-    norm: Option<BufId>,
-    residual: bool,
-    /// LoRA B in this kernel's epilogue (the A product is already in `acts.t`).
-    lora_b: bool,
+pub(crate) struct Finish {
+    pub norm: Option<BufId>,
+    /// y += its old value (the residual stream)
+    pub residual: bool,
+    /// LoRA B in this kernel's epilogue (the A product is already in `t`).
+    pub lora_b: bool,
     /// LoRA A of this matrix computed by extra threadgroups, its B left to the reader.
-    lora_a_inside: bool,
+    pub lora_a_inside: bool,
 }
 
 impl StepModel {
@@ -231,103 +232,117 @@ impl StepModel {
         self.proj_at(out, p, buf(x), rows, y, f)
     }
 
-    /// `y (rows, p.n) = finish(x (rows, p.k) @ W^T)` (SwiGLU's N / 2 for interleaved gate|up).
     fn proj_at(&self, out: &mut Vec<Dispatch>, p: &Proj, x: Arg, rows: usize, y: BufId, f: Finish) {
-        let a = &self.acts;
-        let norm = f.norm.map_or(x.clone(), buf);
-        let lora = p.lora.filter(|_| f.lora_b || f.lora_a_inside);
-        if let (Some(l), true) = (lora, f.lora_b) {
-            out.push(Dispatch {
-                lib: Lib::Step,
-                kernel: "lora_a_step",
-                grid: [l.rtot, rows, 1],
-                threads: [32, 1, 1],
-                args: vec![
-                    x.clone(),
-                    buf(l.at),
-                    buf(a.t),
-                    Arg::Bytes(words(&[
-                        p.k as i32,
-                        l.rtot as i32,
-                        f.norm.is_some() as i32,
-                        self.d.eps.to_bits() as i32,
-                    ])),
-                    norm.clone(),
-                ],
-                layer: None,
-            });
-        }
-        let epi_lora = lora.filter(|_| f.lora_b);
-        let a_inside = lora.filter(|_| f.lora_a_inside);
-        let a_tgs = a_inside.map_or(0, |l| l.rtot.div_ceil(2));
-        let e = epi_lora.map_or([0; 5], |l| {
-            [l.r, l.rtot, l.seg1, l.seg2, 0].map(|v| v as i32)
-        });
-        let params = words(&[
-            rows as i32,
-            p.n as i32,
-            p.k as i32,
-            p.bits as i32,
-            p.group_size as i32,
-            p.sdtype,
-            f.norm.is_some() as i32,
-            self.d.eps.to_bits() as i32,
-            // StepEpi
-            f.residual as i32,
-            epi_lora.is_some() as i32,
-            e[0],
-            e[1],
-            e[2],
-            e[3],
-            (epi_lora.is_some() && p.interleaved) as i32,
-            p.interleaved as i32,
-            a_tgs as i32,
-            a_inside.map_or(0, |l| l.rtot as i32),
-        ]);
-        // decode kernels stream W once per row of x; past a few rows the tiled kernel reuses
-        // each tile of W for 32 rows
-        let (kernel, grid, threads) = if rows > QMV_MAX_ROWS {
-            let grid = [rows.div_ceil(QMM_TILE), p.n.div_ceil(QMM_TILE) + a_tgs, 1];
-            ("qmm_step", grid, QMM_THREADS)
-        } else if p.bits == 4 && p.k % 16 == 0 && p.group_size % 16 == 0 {
-            (
-                "qmv4_step",
-                [rows, p.n.div_ceil(MV_ROWS) + a_tgs, 1],
-                MV_THREADS,
-            )
-        } else {
-            (
-                "qmvg_step",
-                [rows, p.n.div_ceil(MV_ROWS) + a_tgs, 1],
-                MV_THREADS,
-            )
-        };
-        let (t_out, at) = match a_inside {
-            Some(l) => (a.t, buf(l.at)),
-            None => (a.t, norm.clone()),
-        };
+        matmul(out, p, x, rows, y, f, self.acts.t, self.d.eps)
+    }
+}
+
+/// `y (rows, p.n) = finish(x (rows, p.k) @ W^T)` (SwiGLU's N / 2 for interleaved gate|up), with
+/// the LoRA A product through `t`: the dispatches, appended to `out`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul(
+    out: &mut Vec<Dispatch>,
+    p: &Proj,
+    x: Arg,
+    rows: usize,
+    y: BufId,
+    f: Finish,
+    t: BufId,
+    eps: f32,
+) {
+    let norm = f.norm.map_or(x.clone(), buf);
+    let lora = p.lora.filter(|_| f.lora_b || f.lora_a_inside);
+    if let (Some(l), true) = (lora, f.lora_b) {
         out.push(Dispatch {
             lib: Lib::Step,
-            kernel,
-            grid,
-            threads: [threads, 1, 1],
+            kernel: "lora_a_step",
+            grid: [l.rtot, rows, 1],
+            threads: [32, 1, 1],
             args: vec![
                 x.clone(),
-                buf(p.w),
-                buf(p.s),
-                buf(p.b),
-                buf(y),
-                Arg::Bytes(params),
+                buf(l.at),
+                buf(t),
+                Arg::Bytes(words(&[
+                    p.k as i32,
+                    l.rtot as i32,
+                    f.norm.is_some() as i32,
+                    eps.to_bits() as i32,
+                ])),
                 norm.clone(),
-                if f.residual { buf(y) } else { x.clone() },
-                epi_lora.map_or(x.clone(), |_| buf(a.t)),
-                epi_lora.map_or(x.clone(), |l| buf(l.bt)),
-                at,
-                buf(t_out),
             ],
             layer: None,
         });
     }
+    let epi_lora = lora.filter(|_| f.lora_b);
+    let a_inside = lora.filter(|_| f.lora_a_inside);
+    let a_tgs = a_inside.map_or(0, |l| l.rtot.div_ceil(2));
+    let e = epi_lora.map_or([0; 5], |l| {
+        [l.r, l.rtot, l.seg1, l.seg2, 0].map(|v| v as i32)
+    });
+    let params = words(&[
+        rows as i32,
+        p.n as i32,
+        p.k as i32,
+        p.bits as i32,
+        p.group_size as i32,
+        p.sdtype,
+        f.norm.is_some() as i32,
+        eps.to_bits() as i32,
+        // StepEpi
+        f.residual as i32,
+        epi_lora.is_some() as i32,
+        e[0],
+        e[1],
+        e[2],
+        e[3],
+        (epi_lora.is_some() && p.interleaved) as i32,
+        p.interleaved as i32,
+        a_tgs as i32,
+        a_inside.map_or(0, |l| l.rtot as i32),
+    ]);
+    // decode kernels stream W once per row of x; past a few rows the tiled kernel reuses
+    // each tile of W for 32 rows
+    let (kernel, grid, threads) = if rows > QMV_MAX_ROWS {
+        let grid = [rows.div_ceil(QMM_TILE), p.n.div_ceil(QMM_TILE) + a_tgs, 1];
+        ("qmm_step", grid, QMM_THREADS)
+    } else if p.bits == 4 && p.k % 16 == 0 && p.group_size % 16 == 0 {
+        (
+            "qmv4_step",
+            [rows, p.n.div_ceil(MV_ROWS) + a_tgs, 1],
+            MV_THREADS,
+        )
+    } else {
+        (
+            "qmvg_step",
+            [rows, p.n.div_ceil(MV_ROWS) + a_tgs, 1],
+            MV_THREADS,
+        )
+    };
+    let at = match a_inside {
+        Some(l) => buf(l.at),
+        None => norm.clone(),
+    };
+    out.push(Dispatch {
+        lib: Lib::Step,
+        kernel,
+        grid,
+        threads: [threads, 1, 1],
+        args: vec![
+            x.clone(),
+            buf(p.w),
+            buf(p.s),
+            buf(p.b),
+            buf(y),
+            Arg::Bytes(params),
+            norm.clone(),
+            if f.residual { buf(y) } else { x.clone() },
+            epi_lora.map_or(x.clone(), |_| buf(t)),
+            epi_lora.map_or(x.clone(), |l| buf(l.bt)),
+            at,
+            buf(t),
+        ],
+        layer: None,
+    });
 }
 
 /// The most dispatches any layer of a decode step takes, and those outside the layers

@@ -346,3 +346,76 @@ fn hidden_state_segments_end_at_every_layer() {
         assert!(!read && plan[last.clone()].iter().all(|d| d.layer.is_none()));
     }
 }
+
+/// The step's matmuls alone at Qwen3's depths (K 1024, 4096, 12288), N that fill no tile, decode
+/// and prompt row counts, with the input norm inside and the residual epilogue: against the
+/// slow reference, `residual + rms_norm(x) @ W^T`.
+#[test]
+fn step_matmuls_at_qwen3_depths_match_the_reference_under_the_shim() {
+    use crate::engine::quant::random::qmatrix;
+    use crate::engine::weights::Dtype;
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+    let eps = 1e-6f32;
+    for (n, k, bits, ms) in [
+        (20, 1024, 4, &[1, 5, 64, 100][..]),
+        (20, 4096, 4, &[1, 5, 100][..]),
+        (12, 12288, 4, &[1, 40][..]),
+        (20, 4096, 8, &[1, 9][..]),
+    ] {
+        let w = std::sync::Arc::new(qmatrix(n, k, bits, 64, Dtype::BF16, k as u64 + bits as u64));
+        for &m in ms {
+            let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1f32..1.0)).collect();
+            let g: Vec<f32> = (0..k).map(|_| rng.random_range(0.5f32..1.5)).collect();
+            let res: Vec<f32> = (0..m * n).map(|_| rng.random_range(-1f32..1.0)).collect();
+            let mut a = Arena::default();
+            let p = layout::Proj::shared(&mut a, "w", &w);
+            let (xb, gb, yb) = (a.floats("x", &x), a.floats("g", &g), a.floats("y", &res));
+            let t = a.floats("t", &[0.0]);
+            let mut plan = Vec::new();
+            let finish = plan::Finish {
+                norm: Some(gb),
+                residual: true,
+                ..Default::default()
+            };
+            plan::matmul(&mut plan, &p, Arg::Buf(xb, 0), m, yb, finish, t, eps);
+            let kernel = plan[0].kernel;
+            let shim = Shim::new(&a);
+            shim.run(&plan);
+            let got = shim.floats(yb, m * n);
+            let xn: Vec<f32> = x
+                .chunks_exact(k)
+                .flat_map(|r| {
+                    let s = 1.0 / (r.iter().map(|v| v * v).sum::<f32>() / k as f32 + eps).sqrt();
+                    r.iter()
+                        .zip(&g)
+                        .map(move |(v, w)| v * s * w)
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            let want: Vec<f32> = w
+                .matmul_reference(&xn, m)
+                .iter()
+                .zip(&res)
+                .map(|(a, b)| a + b)
+                .collect();
+            let err = rel_err(&got, &want);
+            assert!(
+                err <= 1e-5,
+                "{kernel} bits {bits} N {n} K {k} M {m}: relative error {err:.2e}"
+            );
+        }
+    }
+}
+
+/// Qwen3's real head_dim (128): attention with four values a lane, RoPE over 64 pairs, and
+/// the fixture's adapter.
+#[test]
+fn fused_step_at_head_dim_128_matches_the_cpu_forward_under_the_shim() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hd128");
+    let opts = ModelOptions::default();
+    let cpu = crate::engine::load(&dir.join("q4g64"), None, &opts).unwrap();
+    step_matches_cpu(cpu, "hd128", 12);
+    let cpu = crate::engine::load(&dir.join("q4g64"), Some(&dir.join("adapter")), &opts).unwrap();
+    step_matches_cpu(cpu, "hd128 + adapter", 5);
+}
