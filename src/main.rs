@@ -11,6 +11,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(args) => bot::cmd::generate::generate(config, profile, &args),
         Command::Config(ConfigCommand::Show) => bot::cmd::generate::config_show(config, profile),
         Command::Post(args) => bot::cmd::post::post(config, profile, &args),
+        Command::Reply(args) => bot::cmd::reply::reply(config, profile, &args),
+        Command::Thread(args) => bot::cmd::reply::thread(config, profile, &args),
         Command::Delete(args) => bot::cmd::post::delete(config, profile, &args),
         Command::Draft(args) => bot::cmd::queue::draft(config, profile, &args),
         Command::Queue(QueueCommand::List { json, status }) => {

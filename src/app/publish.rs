@@ -13,6 +13,7 @@ use crate::app::dedup::{self, TrainingIndex};
 use crate::app::settings::{process_env, Settings};
 use crate::app::store::{NewPost, PostStatus, Store, StoreError};
 use crate::bluesky::record::{self, POST_COLLECTION};
+use crate::bluesky::reply::ReplyRefs;
 use crate::bluesky::xrpc::RetryPolicy;
 use crate::bluesky::{Bluesky, BlueskyError, Credentials, Published};
 
@@ -179,7 +180,7 @@ impl Guard {
     }
 }
 
-/// Publishes `text` with the history written around the send.
+/// Publishes `text` (a reply when `reply` is given) with the history written around the send.
 #[allow(clippy::too_many_arguments)]
 pub fn publish(
     client: &mut Bluesky,
@@ -189,6 +190,7 @@ pub fn publish(
     langs: &[String],
     draft_id: Option<i64>,
     guard: &Guard,
+    reply: Option<&ReplyRefs>,
 ) -> anyhow::Result<(String, Published)> {
     record::check_text(text).map_err(BlueskyError::Text)?;
     guard.check(client, creds, store, text)?;
@@ -196,7 +198,10 @@ pub fn publish(
     let facets = record::facets(&spans, &mut |h| client.resolve_handle(h));
     let now = SystemTime::now();
     let rkey = record::tid(now, rand::rng().random_range(0..1024));
-    let rec = record::post_record(text, &record::timestamp(now), langs, facets);
+    let mut rec = record::post_record(text, &record::timestamp(now), langs, facets);
+    if let Some(r) = reply {
+        rec = crate::bluesky::reply::with_reply(rec, r);
+    }
     let did = client.session.did.clone();
     store.add_pending(&NewPost {
         account: &did,
@@ -249,6 +254,7 @@ pub fn publish_next(
                 &settings.langs.value,
                 Some(d.id),
                 guard,
+                d.reply().map(|r| r.refs).as_ref(),
             ) {
                 Ok((_, p)) => return Ok(Some((d.id, p))),
                 // A concurrent run claimed it between our pick and our claim: theirs to send.

@@ -132,6 +132,7 @@ pub const SETTINGS: &[Decl] = &[
     d("adapter", "BOT_ADAPTER", None, Show::Quoted),
     d("prompts", "BOT_PROMPTS", None, Show::Quoted),
     d("system", "BOT_SYSTEM", None, Show::Quoted),
+    d("reply_prompt", "BOT_REPLY_PROMPT", None, Show::Quoted),
     d(
         "temperature",
         "BOT_TEMPERATURE",
@@ -390,6 +391,9 @@ pub struct Settings {
     pub adapter: Sourced<Option<String>>,
     pub prompts: Sourced<Option<PathBuf>>,
     pub system: Sourced<Option<String>>,
+    /// The instruction for replies; `{post}` and `{author}` are filled in
+    /// (`bluesky::reply::DEFAULT_REPLY_PROMPT` when unset).
+    pub reply_prompt: Sourced<Option<String>>,
     pub temperature: Sourced<f32>,
     pub top_p: Sourced<f32>,
     pub min_p: Sourced<f32>,
@@ -597,6 +601,7 @@ impl Settings {
             adapter,
             prompts: l.get_opt("prompts")?,
             system: l.get_opt("system")?,
+            reply_prompt: l.get_opt("reply_prompt")?,
             temperature: l.get("temperature")?,
             top_p: l.get("top_p")?,
             min_p: l.get("min_p")?,

@@ -113,6 +113,9 @@ const MIGRATIONS: &[&str] = &[
         SELECT id, text, raw, prompt, seed, model, adapter, created_at, status, uri FROM drafts;
     DROP TABLE drafts;
     ALTER TABLE drafts_v1 RENAME TO drafts;",
+    // 2: a reply draft holds what it answers (`bot reply --save`): the reply refs and the
+    // answered post's text and author, as JSON.
+    "ALTER TABLE drafts ADD COLUMN reply TEXT;",
 ];
 
 impl Store {
@@ -263,6 +266,25 @@ impl Store {
         )
     }
 
+    /// The account's (any account's, for `None`) published reply to `parent_uri`, if any.
+    pub fn reply_to(
+        &self,
+        account: Option<&str>,
+        parent_uri: &str,
+    ) -> Result<Option<PostRow>, StoreError> {
+        Ok(self
+            .rows(
+                &format!(
+                    "SELECT {} FROM posts WHERE (?1 IS NULL OR account = ?1) AND status = 'posted' \
+                     AND json_extract(record, '$.reply.parent.uri') = ?2 ORDER BY id DESC LIMIT 1",
+                    Self::COLS
+                ),
+                params![account, parent_uri],
+            )?
+            .into_iter()
+            .next())
+    }
+
     pub fn by_uri(&self, uri: &str) -> Result<Option<PostRow>, StoreError> {
         Ok(self
             .rows(
@@ -394,6 +416,23 @@ pub struct Draft {
     pub uri: Option<String>,
     /// Why the guard refused it, for a `refused` draft.
     pub note: Option<String>,
+    /// For a reply: what it answers (`DraftReply` as JSON).
+    pub reply: Option<String>,
+}
+
+/// What a reply draft answers.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
+pub struct DraftReply {
+    pub refs: crate::bluesky::reply::ReplyRefs,
+    pub parent_text: String,
+    pub parent_author: String,
+}
+
+impl Draft {
+    /// What this draft answers, when it is a reply.
+    pub fn reply(&self) -> Option<DraftReply> {
+        serde_json::from_str(self.reply.as_deref()?).ok()
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -433,7 +472,7 @@ impl Store {
     }
 
     const DRAFT_COLS: &'static str =
-        "id, text, raw, prompt, seed, model, adapter, created_at, status, uri, note";
+        "id, text, raw, prompt, seed, model, adapter, created_at, status, uri, note, reply";
 
     fn drafts_where(&self, cond: &str, p: impl rusqlite::Params) -> Result<Vec<Draft>, StoreError> {
         self.exec(|c| {
@@ -454,9 +493,22 @@ impl Store {
                     status: r.get(8)?,
                     uri: r.get(9)?,
                     note: r.get(10)?,
+                    reply: r.get(11)?,
                 })
             })?;
             rows.collect()
+        })
+    }
+
+    /// Marks draft `id` as a reply to what `reply` describes.
+    pub fn set_draft_reply(&self, id: i64, reply: &DraftReply) -> Result<(), StoreError> {
+        let json = serde_json::to_string(reply).unwrap_or_default();
+        self.exec(|c| {
+            c.execute(
+                "UPDATE drafts SET reply = ?1 WHERE id = ?2",
+                params![json, id],
+            )?;
+            Ok(())
         })
     }
 

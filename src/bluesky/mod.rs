@@ -4,6 +4,7 @@
 //! (the record key is chosen first; an ambiguous failure is resolved with `getRecord`).
 
 pub mod record;
+pub mod reply;
 pub mod session;
 pub mod xrpc;
 
@@ -246,6 +247,60 @@ impl Bluesky {
             Err(BlueskyError::Xrpc(e)) if e.name() == Some("RecordNotFound") => Ok(None),
             Err(e) => Err(e),
         }
+    }
+
+    /// A post of any repo (a DID or a handle), or None when there is none: the post a reply
+    /// answers, and its thread's ancestors.
+    pub fn get_post(
+        &mut self,
+        creds: &Credentials,
+        repo: &str,
+        rkey: &str,
+    ) -> Result<Option<reply::FetchedPost>, BlueskyError> {
+        let nsid = "com.atproto.repo.getRecord";
+        let q = [
+            ("repo", repo),
+            ("collection", POST_COLLECTION),
+            ("rkey", rkey),
+        ];
+        match self.call(creds, nsid, Call::Query(&q), true) {
+            Ok(v) => reply::FetchedPost::from_get_record(&v)
+                .map(Some)
+                .ok_or_else(|| BlueskyError::Protocol {
+                    nsid: nsid.into(),
+                    why: "no uri, cid or value in the response".into(),
+                }),
+            Err(BlueskyError::Xrpc(e))
+                if matches!(e.name(), Some("RecordNotFound") | Some("RepoNotFound")) =>
+            {
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Posts of any repo, newest first (up to 100).
+    pub fn list_posts_of(
+        &mut self,
+        creds: &Credentials,
+        repo: &str,
+        limit: u32,
+    ) -> Result<Vec<reply::FetchedPost>, BlueskyError> {
+        let limit = limit.clamp(1, 100).to_string();
+        let q = [
+            ("repo", repo),
+            ("collection", POST_COLLECTION),
+            ("limit", limit.as_str()),
+        ];
+        let v = self.call(creds, "com.atproto.repo.listRecords", Call::Query(&q), true)?;
+        Ok(v.get("records")
+            .and_then(Value::as_array)
+            .map(|r| {
+                r.iter()
+                    .filter_map(reply::FetchedPost::from_get_record)
+                    .collect()
+            })
+            .unwrap_or_default())
     }
 
     pub fn list_records(

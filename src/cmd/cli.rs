@@ -39,6 +39,11 @@ pub enum Command {
     Generate(GenerateArgs),
     /// Publish a post to Bluesky: generated, or --text; --dry-run shows the exact record.
     Post(PostArgs),
+    /// Reply to a post (an at:// URI or a bsky.app link) in the user's voice: published with
+    /// the thread's root and parent refs, or --dry-run, or --save to the review queue.
+    Reply(ReplyArgs),
+    /// Print a post and the thread above it, root first.
+    Thread(ThreadArgs),
     /// Delete one of the account's posts: an at:// URI, or `last` (the newest in local history).
     Delete(DeleteArgs),
     /// Log in (or reuse the cached session) and print the account.
@@ -247,6 +252,51 @@ pub struct PostArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct ReplyArgs {
+    /// The post to answer: at://DID_OR_HANDLE/app.bsky.feed.post/RKEY or a bsky.app link
+    #[arg(long)]
+    pub to: String,
+    /// Reply with this text instead of generating one (checked against the limits)
+    #[arg(long)]
+    pub text: Option<String>,
+    /// Put the reply in the review queue instead of publishing it
+    #[arg(long, conflicts_with = "dry_run")]
+    pub save: bool,
+    /// Reply even if this account has answered the post already (by default that reply's
+    /// URI is printed and nothing is sent)
+    #[arg(long)]
+    pub again: bool,
+    #[command(flatten)]
+    pub guard: GuardArgs,
+    /// Do everything but the write: print the record with its reply refs
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Print the result as one JSON object
+    #[arg(long)]
+    pub json: bool,
+    /// No progress or timings on stderr
+    #[arg(short, long)]
+    pub quiet: bool,
+    #[command(flatten)]
+    pub account: AccountArgs,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct ThreadArgs {
+    /// A post: at://DID_OR_HANDLE/app.bsky.feed.post/RKEY or a bsky.app link
+    pub uri: String,
+    /// One JSON object a post
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub account: AccountArgs,
 }
 
 /// The duplicate guard.

@@ -9,6 +9,7 @@ pub mod eval;
 pub mod generate;
 pub mod post;
 pub mod queue;
+pub mod reply;
 pub mod schedule;
 
 use std::io::{IsTerminal, Write};

@@ -128,6 +128,7 @@ pub fn post(config: Option<&Path>, profile: Option<&str>, args: &PostArgs) -> an
             &settings.langs.value,
             None,
             &guard,
+            None,
         )
     })?;
     if args.json {

@@ -34,6 +34,36 @@ fn write_drafts(
     Ok(ids)
 }
 
+/// Another draft answering what `r` answers (`bot review`'s regenerate on a reply draft).
+fn write_reply_draft(
+    settings: &Settings,
+    generator: &mut Generator,
+    sampling: &SamplingArgs,
+    r: &crate::app::store::DraftReply,
+) -> anyhow::Result<i64> {
+    let store = Store::open(&settings.paths.data_dir)?;
+    let seed = sampling
+        .seed
+        .unwrap_or_else(|| rand::random::<u32>() as u64);
+    let mut req = cmd::post_request(settings, sampling, seed)?;
+    let template = settings
+        .reply_prompt
+        .value
+        .clone()
+        .unwrap_or_else(|| crate::bluesky::reply::DEFAULT_REPLY_PROMPT.to_string());
+    req.prompt = Some(crate::bluesky::reply::reply_prompt(
+        &template,
+        &r.parent_text,
+        &r.parent_author,
+    ));
+    let progress = cmd::Progress::new(true);
+    let p = generator.post(&req, &mut |e| progress.event("reply", &e));
+    progress.finish();
+    let id = crate::app::drafts::save_draft(&store, &p?, settings)?;
+    store.set_draft_reply(id, r)?;
+    Ok(id)
+}
+
 pub fn draft(config: Option<&Path>, profile: Option<&str>, args: &DraftArgs) -> anyhow::Result<()> {
     let settings = load_settings(config, profile, &overrides(&args.model, &args.sampling))?;
     let (mut g, _) = cmd::load_generator(&settings, &args.model, !args.quiet)?;
@@ -68,13 +98,16 @@ pub fn list(
             println!("{}", serde_json::to_string(&d)?);
         } else {
             println!(
-                "{:>4}  {:<8}  {}{}",
+                "{:>4}  {:<8}  {}{}{}",
                 d.id,
                 d.status,
                 d.text.replace('\n', " ⏎ "),
                 d.note
                     .as_deref()
                     .map(|n| format!("  [{n}]"))
+                    .unwrap_or_default(),
+                d.reply()
+                    .map(|r| format!("  [replying to {}]", r.parent_author))
                     .unwrap_or_default()
             );
         }
@@ -148,9 +181,19 @@ pub fn review(
         if d.status != DraftStatus::New {
             continue;
         }
+        let answers = d
+            .reply()
+            .map(|r| {
+                format!(
+                    "↳ replying to {}: {}\n",
+                    r.parent_author,
+                    r.parent_text.replace('\n', " ")
+                )
+            })
+            .unwrap_or_default();
         writeln!(
             out,
-            "\n#{id} ({} graphemes)\n{}\n[a]pprove  [r]eject  [e]dit  [g]enerate another  [s]kip  [q]uit > ",
+            "\n#{id} ({} graphemes)\n{answers}{}\n[a]pprove  [r]eject  [e]dit  [g]enerate another  [s]kip  [q]uit > ",
             crate::generate::postprocess::grapheme_count(&d.text),
             d.text
         )?;
@@ -175,7 +218,10 @@ pub fn review(
                 let g = generator
                     .as_mut()
                     .ok_or_else(|| anyhow::anyhow!("no model"))?;
-                let new = write_drafts(&settings, g, &args.sampling, 1, true)?;
+                let new = match d.reply() {
+                    Some(r) => vec![write_reply_draft(&settings, g, &args.sampling, &r)?],
+                    None => write_drafts(&settings, g, &args.sampling, 1, true)?,
+                };
                 queue.extend(new);
             }
             "s" | "" => {}

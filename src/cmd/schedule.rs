@@ -122,6 +122,7 @@ fn auto(
             &settings.langs.value,
             Some(id),
             guard,
+            None,
         )?;
         Ok(p)
     })

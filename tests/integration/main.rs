@@ -11,4 +11,5 @@ mod fuzz_corpus;
 mod generate;
 mod hardening;
 mod hub;
+mod replies;
 mod workflow;
