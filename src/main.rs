@@ -13,6 +13,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Post(args) => bot::cmd::post::post(config, profile, &args),
         Command::Reply(args) => bot::cmd::reply::reply(config, profile, &args),
         Command::Thread(args) => bot::cmd::reply::thread(config, profile, &args),
+        Command::Sandbox(c) => bot::cmd::sandbox::run(config, &c),
         Command::Delete(args) => bot::cmd::post::delete(config, profile, &args),
         Command::Draft(args) => bot::cmd::queue::draft(config, profile, &args),
         Command::Queue(QueueCommand::List { json, status }) => {

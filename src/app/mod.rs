@@ -6,6 +6,7 @@ pub mod dedup;
 pub mod drafts;
 pub mod hub;
 pub mod publish;
+pub mod sandbox;
 pub mod schedule;
 pub mod settings;
 pub mod store;

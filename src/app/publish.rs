@@ -26,7 +26,9 @@ pub struct Refused(pub String);
 /// terminal. Never an argument, never printed.
 pub fn password_source(settings: &Settings) -> impl Fn() -> Result<String, BlueskyError> + '_ {
     move || {
-        if let Some(p) = process_env("BOT_BSKY_APP_PASSWORD").filter(|p| !p.is_empty()) {
+        if let Some(p) = process_env("BOT_BSKY_APP_PASSWORD")
+            .filter(|p| !p.is_empty() && !settings.password_file_only)
+        {
             return Ok(p);
         }
         if let Some(path) = &settings.password_file.value {

@@ -408,6 +408,9 @@ pub struct Settings {
     pub handle: Sourced<Option<String>>,
     pub password_file: Sourced<Option<PathBuf>>,
     pub langs: Sourced<Vec<String>>,
+    /// The app password comes from `password_file` only, never the environment (a sandbox
+    /// member's account is not the one BOT_BSKY_APP_PASSWORD belongs to).
+    pub password_file_only: bool,
     /// Each setting's text and source as `config show` prints it.
     shown: BTreeMap<&'static str, Sourced<Option<String>>>,
 }
@@ -623,6 +626,7 @@ impl Settings {
             paths,
             profile,
             config_found,
+            password_file_only: false,
         };
         s.shown = l.shown;
         s.validate()?;

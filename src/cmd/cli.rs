@@ -44,6 +44,9 @@ pub enum Command {
     Reply(ReplyArgs),
     /// Print a post and the thread above it, root first.
     Thread(ThreadArgs),
+    /// The profiles as bots talking to each other on a private PDS.
+    #[command(subcommand)]
+    Sandbox(SandboxCommand),
     /// Delete one of the account's posts: an at:// URI, or `last` (the newest in local history).
     Delete(DeleteArgs),
     /// Log in (or reuse the cached session) and print the account.
@@ -286,6 +289,47 @@ pub struct ReplyArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SandboxCommand {
+    /// An account on the PDS at --service for each profile (all of the config's, or
+    /// --profiles a,b); prints the service
+    Up {
+        /// The private PDS (a reference @atproto/pds on loopback, e.g. http://127.0.0.1:2583)
+        #[arg(long)]
+        service: String,
+        #[arg(long)]
+        profiles: Option<String>,
+    },
+    /// The service, the members and the rounds done, as JSON
+    Status,
+    /// Rounds until the conversation has --rounds complete ones (a killed round is finished
+    /// first); each member replies to another's newest post it has not answered, or posts
+    Converse {
+        #[arg(long, default_value_t = 1)]
+        rounds: u32,
+        /// How often a member replies rather than posts (when there is something to answer)
+        #[arg(long, default_value_t = 0.7)]
+        reply_ratio: f64,
+        /// Only these members (at least two)
+        #[arg(long)]
+        profiles: Option<String>,
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        sampling: SamplingArgs,
+        #[arg(short, long)]
+        quiet: bool,
+    },
+    /// A static page of the conversations (index.html + style.css, no scripts, no external
+    /// requests) for a personal website
+    Page {
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value = "The bots' sandbox")]
+        title: String,
+    },
 }
 
 #[derive(Debug, Args)]

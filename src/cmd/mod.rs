@@ -10,6 +10,7 @@ pub mod generate;
 pub mod post;
 pub mod queue;
 pub mod reply;
+pub mod sandbox;
 pub mod schedule;
 
 use std::io::{IsTerminal, Write};

@@ -12,4 +12,5 @@ mod generate;
 mod hardening;
 mod hub;
 mod replies;
+mod sandbox;
 mod workflow;

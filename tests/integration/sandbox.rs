@@ -1,0 +1,215 @@
+//! `bot sandbox` against the reference PDS: two profiles of the tiny fixture model converse
+//! three rounds into a well-formed thread tree with nothing twice, also when a round is killed
+//! mid-send and resumed; the static page shows every post, escaped.
+
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::bluesky_pds::{faulty_proxy, list_posts, ok_stdout, pds_from, Fault};
+use crate::common::fixtures;
+
+fn sandbox(home: &Path) -> assert_cmd::Command {
+    let mut c = assert_cmd::Command::cargo_bin("bot").unwrap();
+    c.env("BOT_HOME", home)
+        .env("BOT_MODEL", fixtures().join("q4g64"))
+        .env("BOT_ADAPTER", fixtures().join("adapter"))
+        .env("HF_HUB_OFFLINE", "1")
+        .env("BOT_RETRY_TOTAL_S", "20")
+        // the members' accounts are the sandbox's, whatever the environment says
+        .env("BOT_BSKY_APP_PASSWORD", "not-a-sandbox-password")
+        .env_remove("BOT_SANDBOX_SERVICE")
+        .timeout(Duration::from_secs(300));
+    c
+}
+
+/// A home with two profiles (the default one and `b`, with its own system prompt) in the
+/// sandbox on `service`; their DIDs.
+fn setup(home: &Path, service: &str) -> Vec<String> {
+    std::fs::write(
+        home.join("config.toml"),
+        "system = \"You are bot A.\"\n[profiles.b]\nsystem = \"You are bot B.\"\n",
+    )
+    .unwrap();
+    let out = ok_stdout(
+        sandbox(home)
+            .args(["sandbox", "up", "--service", service])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(out.trim(), service);
+    let st: Value = serde_json::from_str(
+        ok_stdout(sandbox(home).args(["sandbox", "status"]).output().unwrap()).trim(),
+    )
+    .unwrap();
+    let members = st["members"].as_array().unwrap();
+    assert_eq!(members.len(), 2, "{st}");
+    members
+        .iter()
+        .map(|m| m["did"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Every post of the members: no two replies of one member to one post, every reply's parent
+/// and root exist with the CIDs the refs name, roots are top-level posts.
+fn check_tree(service: &str, dids: &[String], want_posts: usize) -> Vec<Value> {
+    let pds = crate::bluesky_pds::Pds {
+        service: service.to_string(),
+        jwt_secret: String::new(),
+    };
+    let all: Vec<Value> = dids.iter().flat_map(|d| list_posts(&pds, d)).collect();
+    assert_eq!(all.len(), want_posts, "{all:#?}");
+    let by_uri: HashMap<&str, &Value> = all
+        .iter()
+        .map(|p| (p["uri"].as_str().unwrap(), p))
+        .collect();
+    let mut answered = HashSet::new();
+    let mut replies = 0;
+    for p in &all {
+        let Some(r) = p["value"].get("reply") else {
+            continue;
+        };
+        replies += 1;
+        let author = p["uri"]
+            .as_str()
+            .unwrap()
+            .split('/')
+            .nth(2)
+            .unwrap()
+            .to_string();
+        let parent = by_uri[r["parent"]["uri"].as_str().unwrap()];
+        assert_eq!(parent["cid"], r["parent"]["cid"]);
+        let root = by_uri[r["root"]["uri"].as_str().unwrap()];
+        assert_eq!(root["cid"], r["root"]["cid"]);
+        assert!(
+            root["value"].get("reply").is_none(),
+            "a root is a top-level post"
+        );
+        let want_root = parent["value"]["reply"]["root"]["uri"]
+            .as_str()
+            .unwrap_or(parent["uri"].as_str().unwrap());
+        assert_eq!(r["root"]["uri"], want_root);
+        assert!(
+            !r["parent"]["uri"].as_str().unwrap().contains(&author),
+            "a member never answers itself"
+        );
+        assert!(
+            answered.insert((author, r["parent"]["uri"].clone())),
+            "answered twice: {p}"
+        );
+    }
+    assert!(replies > 0, "the members never talked to each other");
+    all
+}
+
+#[test]
+fn two_profiles_converse_into_one_well_formed_tree_and_a_page() {
+    let Some(pds) = pds_from("BSKY_SERVICE") else {
+        return;
+    };
+    let home = tempfile::tempdir().unwrap();
+    let dids = setup(home.path(), &pds.service);
+    ok_stdout(
+        sandbox(home.path())
+            .args(["sandbox", "converse", "--rounds", "3", "--seed", "4", "-q"])
+            .output()
+            .unwrap(),
+    );
+    let all = check_tree(&pds.service, &dids, 6);
+    // a second run with the same --rounds has nothing left to do
+    ok_stdout(
+        sandbox(home.path())
+            .args(["sandbox", "converse", "--rounds", "3", "-q"])
+            .output()
+            .unwrap(),
+    );
+    check_tree(&pds.service, &dids, 6);
+
+    let out = home.path().join("site");
+    ok_stdout(
+        sandbox(home.path())
+            .args([
+                "sandbox",
+                "page",
+                "--out",
+                out.to_str().unwrap(),
+                "--title",
+                "Bots <3",
+            ])
+            .output()
+            .unwrap(),
+    );
+    let html = std::fs::read_to_string(out.join("index.html")).unwrap();
+    assert!(out.join("style.css").exists());
+    let doc = scraper::Html::parse_document(&html);
+    assert!(doc.errors.is_empty(), "{:?}", doc.errors);
+    let sel = |s: &str| scraper::Selector::parse(s).unwrap();
+    let ids: HashSet<String> = doc
+        .select(&sel("div.post"))
+        .map(|e| e.value().attr("id").unwrap().to_string())
+        .collect();
+    for p in &all {
+        assert!(
+            ids.contains(p["uri"].as_str().unwrap()),
+            "missing from the page: {p}"
+        );
+    }
+    assert_eq!(doc.select(&sel("script")).count(), 0);
+    // post text arrives as text: the model's output never becomes markup
+    let texts: Vec<String> = doc
+        .select(&sel("p.text"))
+        .map(|e| e.text().collect())
+        .collect();
+    for p in &all {
+        assert!(texts.contains(&p["value"]["text"].as_str().unwrap().to_string()));
+    }
+    assert_eq!(
+        doc.select(&sel("title"))
+            .next()
+            .unwrap()
+            .text()
+            .collect::<String>(),
+        "Bots <3"
+    );
+}
+
+/// Killed while a member's createRecord is in flight (forwarded or not), then resumed: six
+/// posts in all, nothing twice.
+#[test]
+fn a_killed_round_resumes_without_repeating_anything() {
+    let Some(pds) = pds_from("BSKY_SERVICE") else {
+        return;
+    };
+    for forward in [true, false] {
+        let home = tempfile::tempdir().unwrap();
+        let dids = setup(home.path(), &pds.service);
+        let (proxy, creates, handled) = faulty_proxy(&pds.service, Fault::Hold { forward });
+        let mut c = std::process::Command::new(assert_cmd::cargo::cargo_bin("bot"));
+        let mut child = c
+            .env("BOT_HOME", home.path())
+            .env("BOT_MODEL", fixtures().join("q4g64"))
+            .env("BOT_ADAPTER", fixtures().join("adapter"))
+            .env("HF_HUB_OFFLINE", "1")
+            .env("BOT_SANDBOX_SERVICE", &proxy)
+            .args(["sandbox", "converse", "--rounds", "3", "--seed", "9", "-q"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        handled
+            .recv_timeout(Duration::from_secs(120))
+            .expect("createRecord reached the proxy");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(creates.load(std::sync::atomic::Ordering::SeqCst), 1);
+        ok_stdout(
+            sandbox(home.path())
+                .args(["sandbox", "converse", "--rounds", "3", "-q"])
+                .output()
+                .unwrap(),
+        );
+        check_tree(&pds.service, &dids, 6);
+    }
+}
