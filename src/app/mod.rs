@@ -7,6 +7,7 @@ pub mod drafts;
 pub mod hub;
 pub mod publish;
 pub mod sandbox;
+pub mod sandbox_pds;
 pub mod schedule;
 pub mod settings;
 pub mod store;

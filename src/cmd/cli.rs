@@ -293,15 +293,21 @@ pub struct ReplyArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum SandboxCommand {
-    /// An account on the PDS at --service for each profile (all of the config's, or
-    /// --profiles a,b); prints the service
+    /// Start the sandbox's own PDS on loopback (installed from the npm registry on first use;
+    /// its data persists), or use --service; then an account for each profile (all of the
+    /// config's, or --profiles a,b); prints the service
     Up {
-        /// The private PDS (a reference @atproto/pds on loopback, e.g. http://127.0.0.1:2583)
+        /// Use this PDS instead of starting one
         #[arg(long)]
-        service: String,
+        service: Option<String>,
+        /// The port of the sandbox's own PDS (its PLC directory takes the one below)
+        #[arg(long, default_value_t = 2683)]
+        port: u16,
         #[arg(long)]
         profiles: Option<String>,
     },
+    /// Stop the sandbox's own PDS (its data stays)
+    Down,
     /// The service, the members and the rounds done, as JSON
     Status,
     /// Rounds until the conversation has --rounds complete ones (a killed round is finished

@@ -15,6 +15,7 @@ use crate::app::publish::{publish, with_account, Guard};
 use crate::app::sandbox::{
     render_page, threads, Act, ActKind, Member, Sandbox, ThreadPost, PAGE_CSS,
 };
+use crate::app::sandbox_pds;
 use crate::app::settings::{Overrides, Settings};
 use crate::bluesky::reply::{self, FetchedPost};
 use crate::bluesky::xrpc::{Call, RetryPolicy, Xrpc};
@@ -101,12 +102,36 @@ fn random_secret() -> String {
         .collect()
 }
 
-/// `up --service URL`: an account for each profile without one, its app password in a 0600
-/// file of the member's state directory.
-fn up(config: Option<&Path>, service: &str, list: &Option<String>) -> anyhow::Result<()> {
-    let service = service.trim_end_matches('/');
+/// `up`: the sandbox's own PDS started (or `--service` used as it is), then an account for
+/// each profile without one, its app password in a 0600 file of the member's state directory.
+fn up(
+    config: Option<&Path>,
+    service: &Option<String>,
+    port: u16,
+    list: &Option<String>,
+) -> anyhow::Result<()> {
     let sb = Sandbox::open(&base(config)?.paths.data_dir)?;
     let x = xrpc()?;
+    let own = match service {
+        Some(_) => None,
+        None => {
+            let r =
+                sandbox_pds::start(&sandbox_pds::install_dir()?, &sb.dir.join("pds"), port, &x)?;
+            eprintln!(
+                "the sandbox's PDS runs at {} (pid {}, data in {})",
+                r.service,
+                r.pid,
+                sb.dir.join("pds").display()
+            );
+            Some(r)
+        }
+    };
+    let service = match (service, &own) {
+        (Some(s), _) => s.trim_end_matches('/').to_string(),
+        (None, Some(r)) => r.service.clone(),
+        (None, None) => unreachable!("started above"),
+    };
+    let service = service.as_str();
     let desc = x
         .call(
             service,
@@ -167,6 +192,9 @@ fn up(config: Option<&Path>, service: &str, list: &Option<String>) -> anyhow::Re
         crate::bluesky::session::private_dir(&dir)?;
         crate::bluesky::session::write_private(&sb.password_file(&p), app_pw.as_bytes())?;
         crate::bluesky::session::write_private(&dir.join("account-password"), password.as_bytes())?;
+        if let Some(r) = &own {
+            sandbox_pds::save_ops(&sb.dir.join("pds"), &r.plc, &did)?;
+        }
         sb.add_member(&Member {
             profile: p.clone(),
             handle: handle.clone(),
@@ -407,10 +435,16 @@ fn send(
 fn status(config: Option<&Path>) -> anyhow::Result<()> {
     let sb = Sandbox::open(&base(config)?.paths.data_dir)?;
     let members = sb.members()?;
+    let service = sb.service()?;
+    let up = service.as_deref().is_some_and(|s| {
+        xrpc().is_ok_and(|x| x.call(s, "_health", Call::Query(&[]), None, true).is_ok())
+    });
     println!(
         "{}",
         json!({
-            "service": sb.service()?,
+            "service": service,
+            "up": up,
+            "own_pds_pid": sandbox_pds::read_pid(&sb.dir.join("pds")),
             "members": members,
             "rounds_done": sb.rounds_done(members.len().max(1))?,
             "state": sb.dir,
@@ -447,7 +481,23 @@ fn page(config: Option<&Path>, out: &Path, title: &str) -> anyhow::Result<()> {
 
 pub fn run(config: Option<&Path>, c: &SandboxCommand) -> anyhow::Result<()> {
     match c {
-        SandboxCommand::Up { service, profiles } => up(config, service, profiles),
+        SandboxCommand::Up {
+            service,
+            port,
+            profiles,
+        } => up(config, service, *port, profiles),
+        SandboxCommand::Down => {
+            let sb = Sandbox::open(&base(config)?.paths.data_dir)?;
+            if sandbox_pds::stop(&sb.dir.join("pds"))? {
+                eprintln!(
+                    "stopped the sandbox's PDS (its data stays in {})",
+                    sb.dir.join("pds").display()
+                );
+            } else {
+                eprintln!("the sandbox's PDS is not running");
+            }
+            Ok(())
+        }
         SandboxCommand::Status => status(config),
         SandboxCommand::Converse {
             rounds,

@@ -213,3 +213,73 @@ fn a_killed_round_resumes_without_repeating_anything() {
         check_tree(&pds.service, &dids, 6);
     }
 }
+
+/// The tour on a fresh home: `up` starts the sandbox's own PDS (Node and the packages as the
+/// CI's PDS installed them), `converse`, `down`, `up` again (the same accounts, their DIDs
+/// replayed into the new PLC directory), another round, `page`.
+#[test]
+fn the_sandboxs_own_pds_keeps_its_conversation_across_restarts() {
+    let Some(_) = pds_from("BSKY_SERVICE") else {
+        return;
+    };
+    let install = std::env::var("ATPROTO_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|_| {
+            std::path::PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/local-pds")
+        });
+    assert!(
+        install.join("pds/node_modules/@atproto/pds").exists(),
+        "no PDS install at {}",
+        install.display()
+    );
+    let home = tempfile::tempdir().unwrap();
+    std::fs::write(
+        home.path().join("config.toml"),
+        "system = \"You are bot A.\"\n[profiles.b]\nsystem = \"You are bot B.\"\n",
+    )
+    .unwrap();
+    let run = |args: &[&str]| {
+        ok_stdout(
+            sandbox(home.path())
+                .env("BOT_SANDBOX_PDS_DIR", &install)
+                .args(args)
+                .output()
+                .unwrap(),
+        )
+    };
+    let service = run(&["sandbox", "up", "--port", "2783"]).trim().to_string();
+    assert_eq!(service, "http://127.0.0.1:2783");
+    let stop = scopeguard(home.path(), &install);
+    run(&["sandbox", "converse", "--rounds", "1", "--seed", "2", "-q"]);
+    run(&["sandbox", "down"]);
+    let st: Value = serde_json::from_str(run(&["sandbox", "status"]).trim()).unwrap();
+    assert_eq!(st["up"], false);
+    run(&["sandbox", "up", "--port", "2783"]);
+    run(&["sandbox", "converse", "--rounds", "2", "--seed", "3", "-q"]);
+    let st: Value = serde_json::from_str(run(&["sandbox", "status"]).trim()).unwrap();
+    assert_eq!(st["rounds_done"], 2);
+    let dids: Vec<String> = st["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["did"].as_str().unwrap().to_string())
+        .collect();
+    check_tree(&service, &dids, 4);
+    drop(stop);
+}
+
+/// Stops the sandbox's PDS when the test ends, passed or not.
+struct StopOnDrop(std::path::PathBuf, std::path::PathBuf);
+
+fn scopeguard(home: &Path, install: &Path) -> StopOnDrop {
+    StopOnDrop(home.to_path_buf(), install.to_path_buf())
+}
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        let _ = sandbox(&self.0)
+            .env("BOT_SANDBOX_PDS_DIR", &self.1)
+            .args(["sandbox", "down"])
+            .output();
+    }
+}
