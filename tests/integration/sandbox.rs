@@ -222,10 +222,16 @@ fn the_sandboxs_own_pds_keeps_its_conversation_across_restarts() {
     let Some(_) = pds_from("BSKY_SERVICE") else {
         return;
     };
+    // where .ci/pds/start-pds.sh installed Node and the packages
     let install = std::env::var("ATPROTO_DIR")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|_| {
-            std::path::PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/local-pds")
+            std::env::var("XDG_CACHE_HOME")
+                .map(std::path::PathBuf::from)
+                .unwrap_or_else(|_| {
+                    std::path::PathBuf::from(std::env::var("HOME").unwrap()).join(".cache")
+                })
+                .join("local-pds")
         });
     assert!(
         install.join("pds/node_modules/@atproto/pds").exists(),
