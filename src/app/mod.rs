@@ -5,6 +5,7 @@
 pub mod dedup;
 pub mod drafts;
 pub mod hub;
+pub mod mentions;
 pub mod publish;
 pub mod sandbox;
 pub mod sandbox_pds;

@@ -116,6 +116,8 @@ const MIGRATIONS: &[&str] = &[
     // 2: a reply draft holds what it answers (`bot reply --save`): the reply refs and the
     // answered post's text and author, as JSON.
     "ALTER TABLE drafts ADD COLUMN reply TEXT;",
+    // 3: how far `bot run --mode replies` has read each source of mentions.
+    "CREATE TABLE cursors (source TEXT PRIMARY KEY, seen TEXT NOT NULL);",
 ];
 
 impl Store {
@@ -283,6 +285,55 @@ impl Store {
             )?
             .into_iter()
             .next())
+    }
+
+    /// The account's published replies in the thread whose root is `root`.
+    pub fn replies_in_thread(&self, account: &str, root: &str) -> Result<usize, StoreError> {
+        self.exec(|c| {
+            c.query_row(
+                "SELECT COUNT(*) FROM posts WHERE account = ?1 AND status IN ('posted', 'pending')
+                 AND json_extract(record, '$.reply.root.uri') = ?2",
+                params![account, root],
+                |r| r.get::<_, i64>(0),
+            )
+        })
+        .map(|n| n as usize)
+    }
+
+    /// The account's replies published (or being sent) at or after `since` (RFC 3339, UTC).
+    pub fn replies_since(&self, account: &str, since: &str) -> Result<usize, StoreError> {
+        self.exec(|c| {
+            c.query_row(
+                "SELECT COUNT(*) FROM posts WHERE account = ?1 AND status IN ('posted', 'pending')
+                 AND json_extract(record, '$.reply') IS NOT NULL AND created_at >= ?2",
+                params![account, since],
+                |r| r.get::<_, i64>(0),
+            )
+        })
+        .map(|n| n as usize)
+    }
+
+    /// How far a source of mentions has been read.
+    pub fn cursor(&self, source: &str) -> Result<Option<String>, StoreError> {
+        self.exec(|c| {
+            c.query_row(
+                "SELECT seen FROM cursors WHERE source = ?1",
+                params![source],
+                |r| r.get(0),
+            )
+            .optional()
+        })
+    }
+
+    pub fn set_cursor(&self, source: &str, seen: &str) -> Result<(), StoreError> {
+        self.exec(|c| {
+            c.execute(
+                "INSERT INTO cursors (source, seen) VALUES (?1, ?2)
+                 ON CONFLICT(source) DO UPDATE SET seen = excluded.seen",
+                params![source, seen],
+            )
+            .map(|_| ())
+        })
     }
 
     pub fn by_uri(&self, uri: &str) -> Result<Option<PostRow>, StoreError> {

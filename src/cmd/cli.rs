@@ -413,6 +413,9 @@ pub enum RunMode {
     Queue,
     /// Generate and publish (the original bot's behaviour)
     Auto,
+    /// Answer the accounts that mentioned the bot or replied to it (opt-in): each post once,
+    /// never itself, within --max-replies-per-thread and --max-replies-per-hour
+    Replies,
 }
 
 #[derive(Debug, Args)]
@@ -426,6 +429,8 @@ pub struct RunArgs {
     #[arg(long)]
     pub quiet_hours: Option<String>,
     #[command(flatten)]
+    pub replies: RepliesArgs,
+    #[command(flatten)]
     pub guard: GuardArgs,
     #[command(flatten)]
     pub account: AccountArgs,
@@ -433,6 +438,24 @@ pub struct RunArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+}
+
+/// `--mode replies`.
+#[derive(Debug, Args, Clone)]
+pub struct RepliesArgs {
+    /// At most this many of the bot's replies in one thread
+    #[arg(long, default_value_t = 3)]
+    pub max_replies_per_thread: usize,
+    /// At most this many replies an hour
+    #[arg(long, default_value_t = 10)]
+    pub max_replies_per_hour: usize,
+    /// Put the replies in the review queue instead of publishing them
+    #[arg(long)]
+    pub save_replies: bool,
+    /// Read these accounts' repos (DIDs, comma-separated) for mentions instead of the
+    /// notifications, which need an AppView (the sandbox has none)
+    #[arg(long)]
+    pub mentions_from: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]

@@ -44,6 +44,7 @@ pub fn run(config: Option<&Path>, profile: Option<&str>, args: &RunArgs) -> anyh
     let mode = match args.mode {
         RunMode::Queue => "queue",
         RunMode::Auto => "auto",
+        RunMode::Replies => "replies",
     };
     let log = |result: &str, uri: Option<&str>, error: Option<String>| {
         append_log(
@@ -80,6 +81,24 @@ pub fn run(config: Option<&Path>, profile: Option<&str>, args: &RunArgs) -> anyh
     let outcome = match args.mode {
         RunMode::Queue => publish::publish_next(&settings, &guard).map(|r| r.map(|(_, p)| p)),
         RunMode::Auto => auto(&settings, args, &guard).map(Some),
+        RunMode::Replies => {
+            return match replies(&settings, args, &guard) {
+                Ok(done) => {
+                    for d in &done {
+                        println!("{d}");
+                    }
+                    let result = if done.is_empty() { "idle" } else { "replied" };
+                    if done.is_empty() {
+                        eprintln!("nobody to answer");
+                    }
+                    log(result, done.first().map(String::as_str), None)
+                }
+                Err(e) => {
+                    log("error", None, Some(format!("{e:#}")))?;
+                    Err(e)
+                }
+            };
+        }
     };
     match outcome {
         Ok(Some(p)) => {
@@ -128,6 +147,142 @@ fn auto(
     })
 }
 
+/// The store as `mentions::choose` asks it.
+struct StoreHistory<'a> {
+    store: &'a crate::app::store::Store,
+    me: &'a str,
+    hour_ago: String,
+}
+
+impl crate::app::mentions::History for StoreHistory<'_> {
+    fn answered(&self, uri: &str) -> bool {
+        self.store
+            .reply_to(Some(self.me), uri)
+            .ok()
+            .flatten()
+            .is_some()
+    }
+    fn replies_in_thread(&self, root: &str) -> usize {
+        // unreadable history counts as full: never more replies than the limit
+        self.store
+            .replies_in_thread(self.me, root)
+            .unwrap_or(usize::MAX)
+    }
+    fn replies_last_hour(&self) -> usize {
+        self.store
+            .replies_since(self.me, &self.hour_ago)
+            .unwrap_or(usize::MAX)
+    }
+}
+
+/// `--mode replies`: the mentions since the cursor, those to answer now, a reply to each
+/// (published, or saved as a reply draft); the replies' URIs (or draft ids).
+fn replies(settings: &Settings, args: &RunArgs, guard: &Guard) -> anyhow::Result<Vec<String>> {
+    use crate::app::mentions::{self, Limits};
+    use crate::bluesky::xrpc::Call;
+    let r = &args.replies;
+    let limits = Limits {
+        per_thread: r.max_replies_per_thread,
+        per_hour: r.max_replies_per_hour,
+    };
+    publish::with_account(settings, |client, creds, store| {
+        let me = client.session.did.clone();
+        let (source, found) = match &r.mentions_from {
+            Some(list) => {
+                let mut found = Vec::new();
+                for did in list.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+                    found.extend(mentions::from_posts(
+                        client.list_posts_of(creds, did, 100)?,
+                        &me,
+                    ));
+                }
+                (format!("repos:{list}"), found)
+            }
+            None => {
+                let v = client.call(
+                    creds,
+                    "app.bsky.notification.listNotifications",
+                    Call::Query(&[("limit", "100")]),
+                    true,
+                )?;
+                (
+                    "notifications".to_string(),
+                    mentions::from_notifications(&v),
+                )
+            }
+        };
+        let seen = store.cursor(&source)?;
+        let fresh: Vec<_> = found
+            .into_iter()
+            .filter(|m| seen.as_deref().is_none_or(|s| m.at.as_str() > s))
+            .collect();
+        let hour_ago =
+            crate::bluesky::record::timestamp(SystemTime::now() - Duration::from_secs(3600));
+        let hist = StoreHistory {
+            store,
+            me: &me,
+            hour_ago,
+        };
+        let (chosen, decided) = mentions::choose(fresh, &me, &hist, limits);
+        let mut done = Vec::new();
+        if !chosen.is_empty() {
+            let (mut g, _) = cmd::load_generator(settings, &args.model, true)?;
+            let template = settings
+                .reply_prompt
+                .value
+                .clone()
+                .unwrap_or_else(|| crate::bluesky::reply::DEFAULT_REPLY_PROMPT.to_string());
+            for m in &chosen {
+                let who = m
+                    .handle
+                    .as_ref()
+                    .map(|h| format!("@{h}"))
+                    .unwrap_or_else(|| m.author.clone());
+                let seed = args
+                    .sampling
+                    .seed
+                    .unwrap_or_else(|| rand::random::<u32>() as u64);
+                let mut req = cmd::post_request(settings, &args.sampling, seed)?;
+                req.prompt = Some(crate::bluesky::reply::reply_prompt(
+                    &template,
+                    m.post.text(),
+                    &who,
+                ));
+                let post = g.post(&req, &mut |_| {})?;
+                let refs = m.post.refs_for_reply();
+                if r.save_replies {
+                    let id = crate::app::drafts::save_draft(store, &post, settings)?;
+                    store.set_draft_reply(
+                        id,
+                        &crate::app::store::DraftReply {
+                            refs,
+                            parent_text: m.post.text().to_string(),
+                            parent_author: who,
+                        },
+                    )?;
+                    done.push(format!("draft {id}"));
+                } else {
+                    let (_, p) = publish::publish(
+                        client,
+                        creds,
+                        store,
+                        &post.text,
+                        &settings.langs.value,
+                        None,
+                        guard,
+                        Some(&refs),
+                    )?;
+                    done.push(p.uri);
+                }
+            }
+        }
+        if let Some(d) = decided {
+            store.set_cursor(&source, &d)?;
+        }
+        Ok(done)
+    })
+}
+
 pub fn log(config: Option<&Path>, profile: Option<&str>, n: usize) -> anyhow::Result<()> {
     let settings = load_settings(config, profile, &Overrides::default())?;
     let text =
@@ -156,6 +311,7 @@ fn job(settings: &Settings, spec: &ScheduleSpec) -> anyhow::Result<Job> {
     args.push(match spec.mode {
         RunMode::Queue => "queue".into(),
         RunMode::Auto => "auto".into(),
+        RunMode::Replies => "replies".into(),
     });
     if let Some(j) = &spec.jitter {
         if parse_jitter(j)? >= every {

@@ -242,3 +242,86 @@ fn generated_replies_go_through_the_queue_with_their_refs() {
         "same seed, same reply"
     );
 }
+
+/// `bot run --mode replies` over the members' repos (the reference PDS has no AppView, so no
+/// notifications): a mention and a reply to the bot are answered, each once across two runs;
+/// a post that does not address it and its own mention of itself are not.
+#[test]
+fn mode_replies_answers_who_addressed_the_bot_once() {
+    let Some(pds) = pds_from("BSKY_SERVICE") else {
+        return;
+    };
+    let (b, a, c) = (account(&pds), account(&pds), account(&pds));
+    let (hb, ha, hc) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let hello = post(&pds, hb.path(), &b, "Hello from the bot.");
+    let self_mention = post(
+        &pds,
+        hb.path(),
+        &b,
+        &format!("Note to self, @{}.", b.handle),
+    );
+    let reply = reply_json(&pds, ha.path(), &a, &hello, "Hello, bot!");
+    let mention = post(
+        &pds,
+        ha.path(),
+        &a,
+        &format!("What do you think, @{}?", b.handle),
+    );
+    post(&pds, hc.path(), &c, "A post about nothing in particular.");
+    let sources = format!("{},{},{}", a.did, c.did, b.did);
+    let run = || {
+        let mut cmd = bot(&pds.service, hb.path(), &b);
+        cmd.env("BOT_MODEL", fixtures().join("q4g64"))
+            .env("BOT_ADAPTER", fixtures().join("adapter"))
+            .env("HF_HUB_OFFLINE", "1")
+            .args([
+                "run",
+                "--mode",
+                "replies",
+                "--seed",
+                "3",
+                "--mentions-from",
+                &sources,
+            ]);
+        ok_stdout(cmd.output().unwrap())
+    };
+    let first = run();
+    assert_eq!(first.lines().count(), 2, "{first}");
+    let posts = list_posts(&pds, &b.did);
+    let parents: Vec<&str> = posts
+        .iter()
+        .filter_map(|p| p["value"]["reply"]["parent"]["uri"].as_str())
+        .collect();
+    let mut want = vec![reply["uri"].as_str().unwrap(), mention.as_str()];
+    want.sort();
+    let mut got = parents.clone();
+    got.sort();
+    assert_eq!(got, want, "{posts:#?}");
+    assert!(!parents.contains(&self_mention.as_str()));
+    // the reply to a reply stays in the thread of the bot's first post
+    let deep = posts
+        .iter()
+        .find(|p| p["value"]["reply"]["parent"]["uri"] == reply["uri"])
+        .unwrap();
+    assert_eq!(deep["value"]["reply"]["root"]["uri"], hello.as_str());
+
+    let second = run();
+    assert!(second.trim().is_empty(), "{second}");
+    assert_eq!(list_posts(&pds, &b.did).len(), 4);
+    let log = ok_stdout(
+        bot(&pds.service, hb.path(), &b)
+            .args(["log", "-n", "2"])
+            .output()
+            .unwrap(),
+    );
+    let results: Vec<Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(results[0]["result"], "replied");
+    assert_eq!(results[1]["result"], "idle");
+}
