@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set-up and tests in one command (README "Tests"; CI runs this through .ci/run):
 # starts two reference PDS instances on loopback (one with the production rate limiter),
-# type-checks the Metal feature, then runs every test with REQUIRE_PDS=1 so that a missing
+# installs Debian's chromium if missing, type-checks the Metal feature, then runs every test with REQUIRE_PDS=1 so that a missing
 # server fails instead of skipping.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +16,13 @@ stop() {
   STATE_DIR="$state/state-ratelimited" PDS_PORT=2593 PLC_PORT=2592 bash "$pds" stop >&2 || true
 }
 trap stop EXIT
+# Headless Chromium renders the sandbox page in a test (Debian's package; CI has apt).
+if ! command -v chromium >/dev/null 2>&1; then
+  echo "installing chromium (Debian package) for the sandbox page screenshot test" >&2
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  ($SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium) >&2
+fi
+export REQUIRE_CHROMIUM=1
 # The Metal backend's Rust side against the real candle/objc2-metal APIs (nothing runs).
 bash .ci/metal-typecheck.sh . metal >&2
 export REQUIRE_PDS=1

@@ -127,6 +127,16 @@ fn two_profiles_converse_into_one_well_formed_tree_and_a_page() {
     );
     check_tree(&pds.service, &dids, 6);
 
+    // a member's own post with markup in its text: on the page it must stay text
+    let hostile = "<script>alert('x')</script> <b>bold</b> & \"quoted\"";
+    post_as_member(&pds.service, home.path(), &dids[0], hostile);
+    let mut all = all;
+    all.extend(
+        crate::bluesky_pds::list_posts(&pds, &dids[0])
+            .into_iter()
+            .filter(|p| p["value"]["text"] == hostile),
+    );
+
     let out = home.path().join("site");
     ok_stdout(
         sandbox(home.path())
@@ -157,6 +167,8 @@ fn two_profiles_converse_into_one_well_formed_tree_and_a_page() {
         );
     }
     assert_eq!(doc.select(&sel("script")).count(), 0);
+    assert_eq!(doc.select(&sel("p.text b")).count(), 0);
+    assert!(all.iter().any(|p| p["value"]["text"] == hostile));
     // post text arrives as text: the model's output never becomes markup
     let texts: Vec<String> = doc
         .select(&sel("p.text"))
@@ -173,6 +185,135 @@ fn two_profiles_converse_into_one_well_formed_tree_and_a_page() {
             .collect::<String>(),
         "Bots <3"
     );
+    screenshot_is_not_blank(&out);
+}
+
+/// Publishes `text` as the sandbox member `did`, with its own app password file.
+fn post_as_member(service: &str, home: &Path, did: &str, text: &str) {
+    let pw_files: Vec<_> = walk(home)
+        .into_iter()
+        .filter(|p| p.file_name().is_some_and(|n| n == "app-password"))
+        .collect();
+    let client = reqwest::blocking::Client::new();
+    for f in pw_files {
+        let pw = std::fs::read_to_string(&f).unwrap();
+        let r = client
+            .post(format!("{service}/xrpc/com.atproto.server.createSession"))
+            .json(&serde_json::json!({ "identifier": did, "password": pw.trim() }))
+            .send()
+            .unwrap();
+        if !r.status().is_success() {
+            continue; // another member's password
+        }
+        let s: Value = r.json().unwrap();
+        let v: Value = client
+            .post(format!("{service}/xrpc/com.atproto.repo.createRecord"))
+            .bearer_auth(s["accessJwt"].as_str().unwrap())
+            .json(&serde_json::json!({
+                "repo": did,
+                "collection": "app.bsky.feed.post",
+                "record": { "$type": "app.bsky.feed.post", "text": text,
+                            "createdAt": "2026-11-24T12:00:00.000Z" },
+            }))
+            .send()
+            .unwrap()
+            .json()
+            .unwrap();
+        assert!(v["uri"].is_string(), "{v}");
+        return;
+    }
+    panic!("no app password of {did} under {}", home.display());
+}
+
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// The page rendered by headless Chromium (Debian's `chromium`) to a PNG that shows something:
+/// many pixels away from the background colour, in several colours. `REQUIRE_CHROMIUM=1` (CI)
+/// makes a missing browser an error; `BOT_SCREENSHOT_OUT=FILE` keeps the PNG (docs/sandbox.md's).
+fn screenshot_is_not_blank(site: &Path) {
+    let Some(chromium) = ["chromium", "chromium-browser", "google-chrome"]
+        .into_iter()
+        .find(|c| {
+            std::process::Command::new(c)
+                .arg("--version")
+                .output()
+                .is_ok_and(|o| o.status.success())
+        })
+    else {
+        assert!(
+            std::env::var("REQUIRE_CHROMIUM").as_deref() != Ok("1"),
+            "REQUIRE_CHROMIUM=1 but no chromium on PATH (apt-get install chromium)"
+        );
+        eprintln!("skipping the screenshot: no chromium on PATH");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let png_path = tmp.path().join("page.png");
+    let (w, h) = (900u32, 1400u32);
+    let out = std::process::Command::new(chromium)
+        .args([
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--no-first-run",
+            "--force-device-scale-factor=1",
+        ])
+        .arg(format!(
+            "--user-data-dir={}",
+            tmp.path().join("profile").display()
+        ))
+        .arg(format!("--window-size={w},{h}"))
+        .arg(format!("--screenshot={}", png_path.display()))
+        .arg(format!("file://{}", site.join("index.html").display()))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success() && png_path.exists(),
+        "chromium failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let decoder = png::Decoder::new(std::fs::File::open(&png_path).unwrap());
+    let mut reader = decoder.read_info().unwrap();
+    let mut buf = vec![0; reader.output_buffer_size()];
+    let info = reader.next_frame(&mut buf).unwrap();
+    assert_eq!((info.width, info.height), (w, h));
+    let channels = info.color_type.samples();
+    assert!(channels >= 3, "{:?}", info.color_type);
+    let pixels: Vec<[u8; 3]> = buf[..info.buffer_size()]
+        .chunks(channels)
+        .map(|c| [c[0], c[1], c[2]])
+        .collect();
+    let mut counts: HashMap<[u8; 3], usize> = HashMap::new();
+    for p in &pixels {
+        *counts.entry(*p).or_default() += 1;
+    }
+    let background = counts
+        .iter()
+        .max_by_key(|(_, n)| **n)
+        .map(|(c, _)| *c)
+        .unwrap();
+    let ink = pixels.iter().filter(|p| **p != background).count();
+    assert!(
+        ink * 100 > pixels.len() && counts.len() > 16,
+        "the page rendered blank: {ink} of {} pixels differ from {background:?}, {} colours",
+        pixels.len(),
+        counts.len()
+    );
+    if let Ok(keep) = std::env::var("BOT_SCREENSHOT_OUT") {
+        std::fs::copy(&png_path, keep).unwrap();
+    }
 }
 
 /// Killed while a member's createRecord is in flight (forwarded or not), then resumed: six
