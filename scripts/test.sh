@@ -27,3 +27,14 @@ export REQUIRE_CHROMIUM=1
 bash .ci/metal-typecheck.sh . metal >&2
 export REQUIRE_PDS=1
 cargo test --locked "$@"
+# The default (fast) kernel's greedy ids against mlx_lm on every CPU instruction set this
+# machine has (BOT_CPU_ISA is per process); the ones it lacks are named, not silently skipped.
+for isa in scalar:fpu avx2:avx2 avx-vnni:avx_vnni avx512-vnni:avx512_vnni; do
+  if grep -qw "${isa#*:}" /proc/cpuinfo; then
+    echo "greedy ids on the fixtures with BOT_CPU_ISA=${isa%%:*}" >&2
+    BOT_CPU_ISA=${isa%%:*} cargo test --locked "$@" --test integration fast_kernel_matches_mlx -- --quiet >&2
+  else
+    echo "BOT_CPU_ISA=${isa%%:*}: not on this CPU, not run" >&2
+  fi
+done
+

@@ -643,6 +643,21 @@ impl Qwen3 {
         all_logits: bool,
         keep_hidden: bool,
     ) -> Result<ForwardOutput> {
+        if self.device.is_cpu() && rayon::current_thread_index().is_none() {
+            // Every CPU matmul hands its rows to the worker pool. Called from outside it, each
+            // of a step's ~200 hand-offs would put this thread to sleep and wake it again
+            // (a futex round trip each); run from a worker, the whole pass costs one.
+            return rayon::scope(|_| self.forward_on_workers(ids, all_logits, keep_hidden));
+        }
+        self.forward_on_workers(ids, all_logits, keep_hidden)
+    }
+
+    fn forward_on_workers(
+        &mut self,
+        ids: &[u32],
+        all_logits: bool,
+        keep_hidden: bool,
+    ) -> Result<ForwardOutput> {
         let l = ids.len();
         if l == 0 {
             return Err(EngineError::Internal(

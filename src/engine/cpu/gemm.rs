@@ -22,7 +22,7 @@ const XBLOCK_BYTES: usize = 256 * 1024;
 
 /// Whether `qgemm` can run here (the process's instruction set is AVX2).
 pub fn available() -> bool {
-    crate::engine::cpu::isa::active() == crate::engine::cpu::isa::Isa::Avx2
+    crate::engine::cpu::isa::active().avx2()
 }
 
 /// `y (m x rows) = x (m x cols) @ dequant(w)^T`, f32 values and f32 accumulation. Callers

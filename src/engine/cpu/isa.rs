@@ -1,13 +1,17 @@
 //! Which instruction set the CPU kernels use, chosen once per process by feature detection:
-//! AVX2+FMA on x86-64; on aarch64 NEON with the dot-product extension (`sdot`: every Apple
+//! on x86-64 AVX-512 with VNNI (Ice Lake and later Xeons, Zen 4 and 5), else AVX-VNNI (Alder
+//! Lake and later desktop parts), else AVX2+FMA; the VNNI ones change only the 4-bit decode
+//! kernel (`vnni.rs`), everything else runs its AVX2 code there. On aarch64 NEON with the dot-product extension (`sdot`: every Apple
 //! Silicon CPU, Graviton 2 and later) or plain NEON (every aarch64 CPU); else the scalar path.
-//! `BOT_CPU_ISA=scalar|avx2|neon|neon-dotprod` overrides it (tests of the fallbacks, bisecting a wrong
+//! `BOT_CPU_ISA=scalar|avx2|avx-vnni|avx512-vnni|neon|neon-dotprod` overrides it (tests of the fallbacks, bisecting a wrong
 //! result); naming an instruction set this CPU lacks is an error at start-up, not a crash.
 
 use std::sync::OnceLock;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
+    Avx512Vnni,
+    AvxVnni,
     Avx2,
     NeonDot,
     Neon,
@@ -15,8 +19,30 @@ pub enum Isa {
 }
 
 impl Isa {
+    /// Best first.
+    pub const ALL: [Isa; 6] = [
+        Isa::Avx512Vnni,
+        Isa::AvxVnni,
+        Isa::Avx2,
+        Isa::NeonDot,
+        Isa::Neon,
+        Isa::Scalar,
+    ];
+
+    /// An x86-64 set that includes AVX2 and FMA (the AVX2 kernels run).
+    pub fn avx2(self) -> bool {
+        matches!(self, Isa::Avx512Vnni | Isa::AvxVnni | Isa::Avx2)
+    }
+
+    /// Whether the decode kernel is `vnni.rs`'s.
+    pub fn vnni(self) -> bool {
+        matches!(self, Isa::Avx512Vnni | Isa::AvxVnni)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
+            Isa::Avx512Vnni => "avx512-vnni",
+            Isa::AvxVnni => "avx-vnni",
             Isa::Avx2 => "avx2",
             Isa::NeonDot => "neon-dotprod",
             Isa::Neon => "neon",
@@ -25,7 +51,7 @@ impl Isa {
     }
 
     fn parse(s: &str) -> Option<Isa> {
-        [Isa::Avx2, Isa::NeonDot, Isa::Neon, Isa::Scalar]
+        Isa::ALL
             .into_iter()
             .find(|i| i.name() == s.trim().to_ascii_lowercase())
     }
@@ -34,6 +60,16 @@ impl Isa {
     pub fn supported(self) -> bool {
         match self {
             Isa::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => {
+                Isa::Avx2.supported()
+                    && std::is_x86_feature_detected!("avx512f")
+                    && std::is_x86_feature_detected!("avx512bw")
+                    && std::is_x86_feature_detected!("avx512vl")
+                    && std::is_x86_feature_detected!("avx512vnni")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::AvxVnni => Isa::Avx2.supported() && std::is_x86_feature_detected!("avxvnni"),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => {
                 std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
@@ -53,7 +89,7 @@ impl Isa {
 
 /// The best instruction set this CPU supports.
 pub fn detect() -> Isa {
-    [Isa::Avx2, Isa::NeonDot, Isa::Neon]
+    Isa::ALL
         .into_iter()
         .find(|i| i.supported())
         .unwrap_or(Isa::Scalar)
@@ -64,8 +100,11 @@ pub fn from_env(value: Option<&str>) -> Result<Option<Isa>, String> {
     let Some(v) = value.filter(|v| !v.trim().is_empty()) else {
         return Ok(None);
     };
-    let isa = Isa::parse(v)
-        .ok_or_else(|| format!("BOT_CPU_ISA={v:?}: expected scalar, avx2, neon or neon-dotprod"))?;
+    let isa = Isa::parse(v).ok_or_else(|| {
+        format!(
+            "BOT_CPU_ISA={v:?}: expected scalar, avx2, avx-vnni, avx512-vnni, neon or neon-dotprod"
+        )
+    })?;
     if !isa.supported() {
         return Err(format!(
             "BOT_CPU_ISA={v}: this CPU cannot run it (best here: {})",

@@ -1,4 +1,4 @@
-//! The CPU backend: quantized matmul kernels (AVX2 on x86-64, NEON on aarch64, a scalar path
+//! The CPU backend: quantized matmul kernels (AVX-512/AVX-VNNI and AVX2 on x86-64, NEON on aarch64, a scalar path
 //! everywhere; `isa` picks), the packed prompt GEMM, attention over the KV cache and the sampler.
 
 pub mod attention;
@@ -6,3 +6,4 @@ pub mod gemm;
 pub mod isa;
 pub mod quant;
 pub mod sample;
+pub mod vnni;

@@ -275,7 +275,7 @@ impl IntActs {
     }
 
     /// The integer code of value `j` of block `b` of row `i` as a plain i32.
-    fn code(&self, i: usize, b: usize, j: usize) -> i32 {
+    pub(crate) fn code(&self, i: usize, b: usize, j: usize) -> i32 {
         let at = i * self.k / 2 + b * 16 + j / 2;
         let (l, h) = if j % 2 == 0 {
             (&self.el, &self.eh)
@@ -340,7 +340,20 @@ fn int_q4(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], split: bool, isa: Isa
         gpr: v.gpr,
         gshift: (gs / 32).trailing_zeros() as usize,
     };
+    let rows = crate::engine::cpu::vnni::Rows {
+        packed: v.packed,
+        row_bytes: v.row_bytes,
+        scales: v.scales.raw(),
+        biases: v.biases.raw(),
+        shape: &shape,
+    };
     for_rows(w.rows, m, y, |first, outs| {
+        if isa.vnni() {
+            // SAFETY: `isa` was detected at run time (or checked by the tests) and the scales
+            // and biases are bf16 (`int`); `outs` holds whole rows of this matrix.
+            unsafe { crate::engine::cpu::vnni::rows(isa, &rows, &a, first, m, split, outs) };
+            return;
+        }
         for (j, out) in outs.chunks_exact_mut(m).enumerate() {
             let n = first + j;
             let row = &v.packed[n * v.row_bytes..(n + 1) * v.row_bytes];
@@ -354,7 +367,7 @@ fn int_q4(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], split: bool, isa: Isa
                 // and FMA, or NEON, with `sdot` for NeonDot) and the scales are bf16; the slices hold one row of codes,
                 // scales and biases, `a` the activations of rows `i..i + take`.
                 match isa {
-                    Isa::Avx2 => unsafe {
+                    Isa::Avx2 | Isa::Avx512Vnni | Isa::AvxVnni => unsafe {
                         avx2::q4_rows(row, sb, bb, &shape, &a, i, take, split, out)
                     },
                     Isa::Neon => unsafe {
@@ -731,6 +744,9 @@ mod tests {
     /// activations 1e-4, 8-bit activations 1e-2 (relative to the largest |y|).
     #[test]
     fn integer_kernels_match_scalar_and_exact() {
+        let (here, missing): (Vec<Isa>, Vec<Isa>) =
+            Isa::ALL.into_iter().partition(|i| i.supported());
+        eprintln!("integer kernels tested: {here:?}; not on this CPU (skipped): {missing:?}");
         for (gs, m, k) in [
             (32, 1, 96),
             (64, 1, 1024),
@@ -746,10 +762,7 @@ mod tests {
                 [(Numerics::Fast, true, 1e-4), (Numerics::Int8, false, 1e-2)]
             {
                 let scalar = int_q4_scalar(&w, &x, m, split);
-                for isa in [Isa::Avx2, Isa::Neon, Isa::Scalar]
-                    .into_iter()
-                    .filter(|i| i.supported())
-                {
+                for &isa in &here {
                     let mut got = vec![0f32; m * 50];
                     int_q4(&w, &x, m, &mut got, split, isa);
                     let e = rel_err(&got, &scalar);

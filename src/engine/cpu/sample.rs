@@ -155,7 +155,7 @@ struct Pass {
 /// `max_argmax` (first index of the max; NaN, +inf or nothing finite an error), vectorized.
 fn max_and_first(x: &[f32]) -> Result<(f32, u32), NonFinite> {
     #[cfg(target_arch = "x86_64")]
-    if crate::engine::cpu::isa::active() == crate::engine::cpu::isa::Isa::Avx2 {
+    if crate::engine::cpu::isa::active().avx2() {
         // SAFETY: the CPU has AVX2 (`isa` detected it).
         return unsafe { avx2::max_and_first(x) };
     }
@@ -166,7 +166,7 @@ fn max_and_first(x: &[f32]) -> Result<(f32, u32), NonFinite> {
 /// `CANDIDATE_CUT` of `m` pushed to `pool`.
 fn exp_pass(x: &[f32], m: f32, pool: &mut Vec<Cand>) -> Pass {
     #[cfg(target_arch = "x86_64")]
-    if crate::engine::cpu::isa::active() == crate::engine::cpu::isa::Isa::Avx2 {
+    if crate::engine::cpu::isa::active().avx2() {
         // SAFETY: the CPU has AVX2 and FMA (`isa` detected them).
         return unsafe { avx2::exp_pass(x, m, pool) };
     }
