@@ -163,7 +163,7 @@ fn for_rows(rows: usize, m: usize, y: &mut [f32], f: impl Fn(usize, &mut [f32]) 
     }
 }
 
-#[inline]
+#[inline(always)]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     // 8 independent partial sums let the compiler vectorize without -ffast-math.
     let mut acc = [0f32; 8];
