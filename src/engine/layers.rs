@@ -201,7 +201,7 @@ impl Linear {
         match &self.lora {
             Some(l) => {
                 let t = Instant::now();
-                let y = (y + l.forward(x)?)?;
+                let y = l.add_to(x, y)?;
                 profile::add(Part::Lora, t);
                 Ok(y)
             }

@@ -7,7 +7,9 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::{Device, Tensor};
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 
 use crate::engine::error::{EngineError, Result};
@@ -21,12 +23,88 @@ pub struct LoraBranch {
     /// [r, out]
     pub b: Tensor,
     pub scale: f64,
+    /// On the CPU, `a` and `b` as row-major slices: the branch then runs as two short loops
+    /// instead of two candle matmuls (whose set-up cost more than the rank-8 products).
+    host: Option<Arc<(Vec<f32>, Vec<f32>)>>,
 }
 
+/// Up to this many rows (decode, short chunks) the branch runs as host loops; a prompt's
+/// rows go to candle's multi-threaded matmul.
+const HOST_MAX_ROWS: usize = 4;
+
 impl LoraBranch {
+    /// `a` [in, r] and `b` [r, out], f32.
+    pub fn new(a: Tensor, b: Tensor, scale: f64) -> Result<Self> {
+        let host = if a.device().is_cpu() {
+            let flat = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
+            Some(Arc::new((flat(&a)?, flat(&b)?)))
+        } else {
+            None
+        };
+        Ok(LoraBranch { a, b, scale, host })
+    }
+
     /// `scale * ((x @ a) @ b)` for `x` (L, in).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok((x.matmul(&self.a)?.matmul(&self.b)? * self.scale)?)
+    }
+
+    /// `y + scale * ((x @ a) @ b)`: on the CPU by `add_host`, else with candle ops.
+    pub fn add_to(&self, x: &Tensor, y: Tensor) -> Result<Tensor> {
+        match &self.host {
+            Some(h)
+                if x.dtype() == DType::F32
+                    && y.dtype() == DType::F32
+                    && x.dim(0)? <= HOST_MAX_ROWS =>
+            {
+                let (l, inp) = x.dims2()?;
+                let xs = x.flatten_all()?.to_vec1::<f32>()?;
+                let mut ys = y.flatten_all()?.to_vec1::<f32>()?;
+                let out = ys.len() / l.max(1);
+                add_host(&h.0, &h.1, self.scale as f32, &xs, inp, &mut ys);
+                Ok(Tensor::from_vec(ys, (l, out), y.device())?)
+            }
+            _ => Ok((y + self.forward(x)?)?),
+        }
+    }
+}
+
+/// `y[i] += scale * Σ_j (Σ_k x[i][k] a[k][j]) b[j]` for every row i of `x` (`inp` wide);
+/// `a` is [inp, r], `b` [r, out], row-major.
+pub fn add_host(a: &[f32], b: &[f32], scale: f32, x: &[f32], inp: usize, y: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::engine::cpu::isa::active().avx2() {
+        // SAFETY: the CPU has AVX2 and FMA (`isa` detected them).
+        return unsafe { add_host_avx2(a, b, scale, x, inp, y) };
+    }
+    add_host_body(a, b, scale, x, inp, y)
+}
+
+/// The same loops compiled for AVX2 + FMA (the default build targets baseline x86-64).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn add_host_avx2(a: &[f32], b: &[f32], scale: f32, x: &[f32], inp: usize, y: &mut [f32]) {
+    add_host_body(a, b, scale, x, inp, y)
+}
+
+#[inline(always)]
+fn add_host_body(a: &[f32], b: &[f32], scale: f32, x: &[f32], inp: usize, y: &mut [f32]) {
+    let r = a.len() / inp;
+    let out = b.len() / r.max(1);
+    let mut t = vec![0f32; r];
+    for (xi, yi) in x.chunks_exact(inp).zip(y.chunks_exact_mut(out)) {
+        t.iter_mut().for_each(|v| *v = 0.0);
+        for (&xv, ar) in xi.iter().zip(a.chunks_exact(r)) {
+            for (tj, &aj) in t.iter_mut().zip(ar) {
+                *tj += xv * aj;
+            }
+        }
+        for (&tj, br) in t.iter().zip(b.chunks_exact(out)) {
+            let c = tj * scale;
+            for (yv, &bv) in yi.iter_mut().zip(br) {
+                *yv += c * bv;
+            }
+        }
     }
 }
 
@@ -162,7 +240,7 @@ impl Adapter {
                     why: format!("`{module}` has only one of lora_a / lora_b"),
                 });
             };
-            branches.insert(module, LoraBranch { a, b, scale });
+            branches.insert(module, LoraBranch::new(a, b, scale)?);
         }
         Ok(Adapter {
             dir: dir.to_path_buf(),
@@ -213,5 +291,48 @@ impl Adapter {
             });
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// The CPU loops against candle's `y + scale * ((x @ a) @ b)`: 1 and 5 rows, rank 8 and 3.
+    #[test]
+    fn host_loops_match_candle_ops() {
+        let dev = Device::Cpu;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        for (l, inp, r, out) in [(1, 64, 8, 48), (5, 96, 3, 40)] {
+            let mut v = |n: usize| {
+                (0..n)
+                    .map(|_| rng.random_range(-1.0f32..1.0))
+                    .collect::<Vec<_>>()
+            };
+            let a = Tensor::from_vec(v(inp * r), (inp, r), &dev).unwrap();
+            let b = Tensor::from_vec(v(r * out), (r, out), &dev).unwrap();
+            let x = Tensor::from_vec(v(l * inp), (l, inp), &dev).unwrap();
+            let y = Tensor::from_vec(v(l * out), (l, out), &dev).unwrap();
+            let br = LoraBranch::new(a, b, 20.0).unwrap();
+            assert!(br.host.is_some());
+            let want = (&y + br.forward(&x).unwrap()).unwrap();
+            let got = br.add_to(&x, y.clone()).unwrap();
+            assert_eq!(got.dims(), want.dims());
+            let d = (got - &want)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            let delta = (&want - &y).unwrap().abs().unwrap().flatten_all().unwrap();
+            let scale = delta.max(0).unwrap().to_scalar::<f32>().unwrap();
+            assert!(scale > 1.0, "the branch added nothing");
+            assert!(d <= 1e-5 * scale, "l {l} r {r}: {d} of {scale}");
+        }
     }
 }

@@ -272,7 +272,7 @@ pub fn lora(cfg: &Qwen3Config, seed: u64, device: &Device) -> Result<Adapter> {
             let b = mat(rank, out, 0.01)?;
             branches.insert(
                 format!("model.layers.{l}.{name}"),
-                LoraBranch { a, b, scale: 20.0 },
+                LoraBranch::new(a, b, 20.0)?,
             );
         }
     }
