@@ -189,6 +189,56 @@ impl Linear {
         })
     }
 
+    /// `forward` of each of `ls` on the same `x`. A decode row on the CPU whose matrices all
+    /// take the integer kernel runs as one `qmatvec_shared` (the input quantized once, one
+    /// hand-off to the workers); anything else, one `forward` each.
+    pub fn forward_shared<const N: usize>(ls: [&Linear; N], x: &Tensor) -> Result<[Tensor; N]> {
+        if let Some(ys) = Self::try_shared(&ls, x)? {
+            return Ok(ys);
+        }
+        let mut out = Vec::with_capacity(N);
+        for l in ls {
+            out.push(l.forward(x)?);
+        }
+        out.try_into()
+            .map_err(|_| EngineError::Internal("forward_shared: wrong count".into()))
+    }
+
+    fn try_shared<const N: usize>(ls: &[&Linear; N], x: &Tensor) -> Result<Option<[Tensor; N]>> {
+        let kernel = ls[0].kernel;
+        if !x.device().is_cpu() || x.dtype() != candle_core::DType::F32 || x.dim(0)? != 1 {
+            return Ok(None);
+        }
+        let mut ws = Vec::with_capacity(N);
+        for l in ls {
+            match &l.weight {
+                Weight::Quant(q) if l.kernel == kernel => ws.push(q.as_ref()),
+                _ => return Ok(None),
+            }
+        }
+        let t = Instant::now();
+        let xs = x.flatten_all()?.to_vec1::<f32>()?;
+        let Some(ys) = crate::engine::cpu::quant::qmatvec_shared(&ws, &xs, kernel) else {
+            return Ok(None);
+        };
+        profile::add(ls[0].part, t);
+        let mut out = Vec::with_capacity(N);
+        for (l, y) in ls.iter().zip(ys) {
+            let n = y.len();
+            let y = Tensor::from_vec(y, (1, n), x.device())?;
+            out.push(match &l.lora {
+                Some(b) => {
+                    let t = Instant::now();
+                    let y = b.add_to(x, y)?;
+                    profile::add(Part::Lora, t);
+                    y
+                }
+                None => y,
+            });
+        }
+        Ok(out.try_into().ok())
+    }
+
     /// (L, in) -> (L, out)
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let t = Instant::now();

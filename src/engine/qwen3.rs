@@ -140,9 +140,10 @@ impl Attention {
     fn forward(&mut self, x: &Tensor, rope: &Rope, mask: Option<&Tensor>) -> Result<Tensor> {
         let l = x.dim(0)?;
         let (nh, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let q = self.q_proj.forward(x)?.reshape((l, nh, hd))?; // (L, Hq, D)
-        let k = self.k_proj.forward(x)?.reshape((l, nkv, hd))?; // (L, Hkv, D)
-        let v = self.v_proj.forward(x)?.reshape((l, nkv, hd))?;
+        let [q, k, v] = Linear::forward_shared([&self.q_proj, &self.k_proj, &self.v_proj], x)?;
+        let q = q.reshape((l, nh, hd))?; // (L, Hq, D)
+        let k = k.reshape((l, nkv, hd))?; // (L, Hkv, D)
+        let v = v.reshape((l, nkv, hd))?;
         let t0 = Instant::now();
         if q.device().is_cpu() && !self.reference_path {
             let dims = Dims {
@@ -223,8 +224,8 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let g = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
-        self.down_proj.forward(&(g * self.up_proj.forward(x)?)?)
+        let [g, u] = Linear::forward_shared([&self.gate_proj, &self.up_proj], x)?;
+        self.down_proj.forward(&(candle_nn::ops::silu(&g)? * u)?)
     }
 }
 

@@ -31,10 +31,7 @@ pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], kernel: Numerics
     }
     let isa = isa::active();
     // the integer kernels read bf16 scales directly (MLX's default); others use `Exact`
-    let int = w.params.bits == 4
-        && w.scales.dtype == Dtype::BF16
-        && w.biases.dtype == Dtype::BF16
-        && isa != Isa::Scalar;
+    let int = int_ok(w, isa);
     match kernel {
         _ if m >= GEMM_MIN_ROWS && crate::engine::cpu::gemm::available() => {
             crate::engine::cpu::gemm::qgemm(w, x, m, y)
@@ -332,61 +329,119 @@ pub struct RowShape {
 const MR: usize = 4;
 
 fn int_q4(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], split: bool, isa: Isa) {
+    let a = IntActs::new(x, m, w.cols, w.params.group_size, split);
+    for_rows(w.rows, m, y, |first, outs| {
+        int_task(w, &a, first, m, split, isa, outs)
+    });
+}
+
+/// Whether the integer kernels take this matrix (4-bit codes, bf16 scales and biases).
+fn int_ok(w: &QMatrix, isa: Isa) -> bool {
+    w.params.bits == 4
+        && w.scales.dtype == Dtype::BF16
+        && w.biases.dtype == Dtype::BF16
+        && isa != Isa::Scalar
+}
+
+/// `qmatmul` of one decode row against several matrices of the same input (q|k|v, gate|up):
+/// the activations are quantized once and every matrix's rows run in one parallel region, one
+/// hand-off to the workers instead of one a matrix. Same arithmetic as `qmatmul` on each.
+/// `None` when they do not all take the integer kernel with the same width and group size:
+/// the caller then runs them one by one.
+pub fn qmatvec_shared(ws: &[&QMatrix], x: &[f32], kernel: Numerics) -> Option<Vec<Vec<f32>>> {
+    let isa = isa::active();
+    let split = match kernel {
+        Numerics::Fast => true,
+        Numerics::Int8 => false,
+        Numerics::Exact => return None,
+    };
+    let w0 = ws.first()?;
+    let (k, gs) = (w0.cols, w0.params.group_size);
+    if x.len() != k
+        || !ws
+            .iter()
+            .all(|w| int_ok(w, isa) && w.cols == k && w.params.group_size == gs)
+    {
+        return None;
+    }
+    let a = IntActs::new(x, 1, k, gs, split);
+    let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; w.rows]).collect();
+    let total: usize = ws.iter().map(|w| w.rows).sum();
+    let chunk = (total / (rayon::current_num_threads().max(1) * 4)).clamp(8, 1024);
+    let mut tasks = Vec::new();
+    for (i, y) in ys.iter_mut().enumerate() {
+        for (c, part) in y.chunks_mut(chunk).enumerate() {
+            tasks.push((i, c * chunk, part));
+        }
+    }
+    tasks
+        .into_par_iter()
+        .for_each(|(i, first, outs)| int_task(ws[i], &a, first, 1, split, isa, outs));
+    Some(ys)
+}
+
+/// Rows `first..first + outs.len() / m` of `w` against the `m` activation rows of `a`,
+/// written as `outs[j * m + i]`.
+fn int_task(
+    w: &QMatrix,
+    a: &IntActs,
+    first: usize,
+    m: usize,
+    split: bool,
+    isa: Isa,
+    outs: &mut [f32],
+) {
     let gs = w.params.group_size;
-    let a = IntActs::new(x, m, w.cols, gs, split);
     let v = View::new(w);
     let shape = RowShape {
         nb: w.cols / 32,
         gpr: v.gpr,
         gshift: (gs / 32).trailing_zeros() as usize,
     };
-    let rows = crate::engine::cpu::vnni::Rows {
-        packed: v.packed,
-        row_bytes: v.row_bytes,
-        scales: v.scales.raw(),
-        biases: v.biases.raw(),
-        shape: &shape,
-    };
-    for_rows(w.rows, m, y, |first, outs| {
-        if isa.vnni() {
-            // SAFETY: `isa` was detected at run time (or checked by the tests) and the scales
-            // and biases are bf16 (`int`); `outs` holds whole rows of this matrix.
-            unsafe { crate::engine::cpu::vnni::rows(isa, &rows, &a, first, m, split, outs) };
-            return;
-        }
-        for (j, out) in outs.chunks_exact_mut(m).enumerate() {
-            let n = first + j;
-            let row = &v.packed[n * v.row_bytes..(n + 1) * v.row_bytes];
-            let sb = &v.scales.raw()[2 * n * v.gpr..2 * (n + 1) * v.gpr];
-            let bb = &v.biases.raw()[2 * n * v.gpr..2 * (n + 1) * v.gpr];
-            let mut i = 0;
-            while i < m {
-                let take = (m - i).min(MR);
-                let out = &mut out[i..i + take];
-                // SAFETY: `int_q4` is only chosen when `isa` was detected at run time (AVX2
-                // and FMA, or NEON, with `sdot` for NeonDot) and the scales are bf16; the slices hold one row of codes,
-                // scales and biases, `a` the activations of rows `i..i + take`.
-                match isa {
-                    Isa::Avx2 | Isa::Avx512Vnni | Isa::AvxVnni => unsafe {
-                        avx2::q4_rows(row, sb, bb, &shape, &a, i, take, split, out)
-                    },
-                    Isa::Neon => unsafe {
-                        neon::q4_rows(row, sb, bb, &shape, &a, i, take, split, out)
-                    },
-                    Isa::NeonDot => unsafe {
-                        neon::q4_rows_dot(row, sb, bb, &shape, &a, i, take, split, out)
-                    },
-                    Isa::Scalar => {
-                        for (r, o) in out.iter_mut().enumerate() {
-                            *o = int_row_scalar(&v, gs, n, &a, i + r, 0..shape.nb)
-                                + bias_term(&v, n, &a, i + r);
-                        }
+    if isa.vnni() {
+        let rows = crate::engine::cpu::vnni::Rows {
+            packed: v.packed,
+            row_bytes: v.row_bytes,
+            scales: v.scales.raw(),
+            biases: v.biases.raw(),
+            shape: &shape,
+        };
+        // SAFETY: `isa` was detected at run time (or checked by the tests) and the scales
+        // and biases are bf16 (`int_ok`); `outs` holds whole rows of this matrix.
+        unsafe { crate::engine::cpu::vnni::rows(isa, &rows, a, first, m, split, outs) };
+        return;
+    }
+    for (j, out) in outs.chunks_exact_mut(m).enumerate() {
+        let n = first + j;
+        let row = &v.packed[n * v.row_bytes..(n + 1) * v.row_bytes];
+        let sb = &v.scales.raw()[2 * n * v.gpr..2 * (n + 1) * v.gpr];
+        let bb = &v.biases.raw()[2 * n * v.gpr..2 * (n + 1) * v.gpr];
+        let mut i = 0;
+        while i < m {
+            let take = (m - i).min(MR);
+            let out = &mut out[i..i + take];
+            // SAFETY: the integer kernels are only chosen when `isa` was detected at run time
+            // (AVX2 and FMA, or NEON, with `sdot` for NeonDot) and the scales are bf16; the
+            // slices hold one row of codes, scales and biases, `a` the activations of rows
+            // `i..i + take`.
+            match isa {
+                Isa::Avx2 | Isa::Avx512Vnni | Isa::AvxVnni => unsafe {
+                    avx2::q4_rows(row, sb, bb, &shape, a, i, take, split, out)
+                },
+                Isa::Neon => unsafe { neon::q4_rows(row, sb, bb, &shape, a, i, take, split, out) },
+                Isa::NeonDot => unsafe {
+                    neon::q4_rows_dot(row, sb, bb, &shape, a, i, take, split, out)
+                },
+                Isa::Scalar => {
+                    for (r, o) in out.iter_mut().enumerate() {
+                        *o = int_row_scalar(&v, gs, n, a, i + r, 0..shape.nb)
+                            + bias_term(&v, n, a, i + r);
                     }
                 }
-                i += take;
             }
+            i += take;
         }
-    });
+    }
 }
 
 /// The integer kernel's arithmetic without SIMD (tests compare the two).
@@ -736,6 +791,38 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Matrices sharing one decode input (q|k|v, gate|up) in one call give each matrix's own
+    /// `qmatmul` bits; mixed widths, group sizes or the exact kernel are refused (`None`).
+    #[test]
+    fn shared_input_matmuls_equal_one_by_one() {
+        let k = 1024;
+        let ws: Vec<QMatrix> = [(96, 64), (40, 64), (300, 64)]
+            .iter()
+            .enumerate()
+            .map(|(i, &(rows, gs))| random_qmatrix(rows, k, 4, gs, Dtype::BF16, 40 + i as u64))
+            .collect();
+        let refs: Vec<&QMatrix> = ws.iter().collect();
+        let x = rand_x(1, k, 9);
+        for kernel in [Numerics::Fast, Numerics::Int8] {
+            let got = qmatvec_shared(&refs, &x, kernel);
+            if isa::active() == Isa::Scalar {
+                assert!(got.is_none());
+                continue;
+            }
+            let got = got.expect("all 4-bit bf16 matrices of one width qualify");
+            for (w, y) in ws.iter().zip(&got) {
+                let mut want = vec![0f32; w.rows];
+                qmatmul(w, &x, 1, &mut want, kernel);
+                assert_eq!(y, &want, "{kernel:?}");
+            }
+        }
+        assert!(qmatvec_shared(&refs, &x, Numerics::Exact).is_none());
+        let other_gs = random_qmatrix(8, k, 4, 32, Dtype::BF16, 1);
+        assert!(qmatvec_shared(&[&ws[0], &other_gs], &x, Numerics::Fast).is_none());
+        let other_bits = random_qmatrix(8, k, 8, 64, Dtype::BF16, 2);
+        assert!(qmatvec_shared(&[&ws[0], &other_bits], &x, Numerics::Fast).is_none());
     }
 
     /// Decode-sized inputs (M < GEMM_MIN_ROWS, including the 4-row blocking and its
