@@ -281,6 +281,13 @@ pub struct ForwardOutput {
     pub hidden: Vec<Tensor>,
 }
 
+/// The model lent to a rayon worker for one CPU forward pass.
+struct OnWorker<'a>(&'a mut Qwen3);
+// SAFETY: `forward` blocks in `rayon::scope` until the closure holding this returns, so the model
+// is used by one thread at a time, and only on the CPU device: the GPU handles that make
+// `Qwen3` !Send with the `cuda` feature (a CUDA graph in `fused`) are never touched there.
+unsafe impl Send for OnWorker<'_> {}
+
 pub struct Qwen3 {
     pub cfg: Qwen3Config,
     embed_tokens: Embedding,
@@ -648,11 +655,16 @@ impl Qwen3 {
             // Every CPU matmul hands its rows to the worker pool. Called from outside it, each
             // of a step's ~200 hand-offs would put this thread to sleep and wake it again
             // (a futex round trip each); run from a worker, the whole pass costs one.
-            return rayon::scope(|_| self.forward_on_workers(ids, all_logits, keep_hidden));
+            let model = OnWorker(self);
+            return rayon::scope(move |_| {
+                let model = model;
+                model.0.forward_on_workers(ids, all_logits, keep_hidden)
+            });
         }
         self.forward_on_workers(ids, all_logits, keep_hidden)
     }
 
+    /// `forward` proper (on a worker thread when the device is the CPU).
     fn forward_on_workers(
         &mut self,
         ids: &[u32],
