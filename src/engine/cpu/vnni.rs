@@ -25,6 +25,7 @@ pub struct Rows<'a> {
 }
 
 /// Activation rows that share each unpacked chunk of weights.
+#[cfg(target_arch = "x86_64")]
 const MR: usize = 4;
 
 #[cfg(target_arch = "x86_64")]
