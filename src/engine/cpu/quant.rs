@@ -137,12 +137,16 @@ impl<'a> View<'a> {
     }
 }
 
+/// Weight rows a task takes out of `rows`: about four tasks a worker, to balance.
+fn task_rows(rows: usize) -> usize {
+    (rows / (rayon::current_num_threads().max(1) * 4)).clamp(8, 1024)
+}
+
 /// Splits the output rows over the worker threads: `f(first_row, out)` fills `out`, the
 /// results of rows `first_row..first_row + out.len() / m`, row-major (`m` values per row);
 /// then the results are transposed into `y (m x rows)`.
 fn for_rows(rows: usize, m: usize, y: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
-    let threads = rayon::current_num_threads().max(1);
-    let chunk = (rows / (threads * 4)).clamp(8, 1024);
+    let chunk = task_rows(rows);
     if m == 1 {
         y.par_chunks_mut(chunk)
             .enumerate()
@@ -312,6 +316,38 @@ fn int_row_scalar(
     acc
 }
 
+/// A bf16 value of a little-endian byte slice, as f32 (bf16 is the top half of an f32).
+#[inline(always)]
+pub(crate) fn bf16_at(b: &[u8], i: usize) -> f32 {
+    f32::from_bits((u16::from_le_bytes([b[2 * i], b[2 * i + 1]]) as u32) << 16)
+}
+
+/// `blocks` of one weight row (`row` its codes, `sb` its bf16 scales, groups of
+/// `32 << gshift`) against activation row `i`, scalar: the SIMD kernels' blocks past their
+/// last whole step.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn tail_blocks(
+    row: &[u8],
+    sb: &[u8],
+    gshift: usize,
+    a: &IntActs,
+    i: usize,
+    blocks: std::ops::Range<usize>,
+) -> f32 {
+    let nb = a.k / 32;
+    let mut y = 0f32;
+    for b in blocks {
+        let mut isum = 0i32;
+        for j in 0..32 {
+            let byte = row[b * 16 + j / 2];
+            let q = if j % 2 == 0 { byte & 15 } else { byte >> 4 };
+            isum += q as i32 * a.code(i, b, j);
+        }
+        y += bf16_at(sb, b >> gshift) * a.d[i * nb + b] * isum as f32;
+    }
+    y
+}
+
 fn bias_term(v: &View, n: usize, a: &IntActs, i: usize) -> f32 {
     (0..v.gpr)
         .map(|g| v.biases.get(n * v.gpr + g) * a.gsum[i * v.gpr + g])
@@ -367,7 +403,7 @@ pub fn qmatvec_shared(ws: &[&QMatrix], x: &[f32], kernel: Numerics) -> Option<Ve
     let a = IntActs::new(x, 1, k, gs, split);
     let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; w.rows]).collect();
     let total: usize = ws.iter().map(|w| w.rows).sum();
-    let chunk = (total / (rayon::current_num_threads().max(1) * 4)).clamp(8, 1024);
+    let chunk = task_rows(total);
     let mut tasks = Vec::new();
     for (i, y) in ys.iter_mut().enumerate() {
         for (c, part) in y.chunks_mut(chunk).enumerate() {
@@ -460,13 +496,9 @@ pub fn int_q4_scalar(w: &QMatrix, x: &[f32], m: usize, split: bool) -> Vec<f32> 
 }
 
 mod avx2 {
-    use super::{IntActs, RowShape};
-
     #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    fn bf16(b: &[u8], i: usize) -> f32 {
-        f32::from_bits((u16::from_le_bytes([b[2 * i], b[2 * i + 1]]) as u32) << 16)
-    }
+    use super::{bf16_at, tail_blocks};
+    use super::{IntActs, RowShape};
 
     /// Complete outputs for activation rows `i0..i0+take` (take ≤ MR) against one weight row
     /// (`row` codes, `sb`/`bb` its bf16 scales and biases): the integer dot products of every
@@ -561,21 +593,15 @@ mod avx2 {
             let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
             let h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
             let mut y = _mm_cvtss_f32(h);
-            // an odd trailing block (widths of 32 * odd)
-            for b in paired..nb {
-                let mut isum = 0i32;
-                for j in 0..32 {
-                    let byte = row[b * 16 + j / 2];
-                    let q = if j % 2 == 0 { byte & 15 } else { byte >> 4 };
-                    isum += q as i32 * a.code(i, b, j);
-                }
-                y += bf16(sb, b >> gs) * a.d[i * nb + b] * isum as f32;
+            if paired < nb {
+                // an odd trailing block (widths of 32 * odd)
+                y += tail_blocks(row, sb, gs, a, i, paired..nb);
             }
             let gsum = &a.gsum[i * shape.gpr..(i + 1) * shape.gpr];
-            y += bb
-                .chunks_exact(2)
-                .zip(gsum)
-                .map(|(c, &s)| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16) * s)
+            y += gsum
+                .iter()
+                .enumerate()
+                .map(|(g, &s)| bf16_at(bb, g) * s)
                 .sum::<f32>();
             out[r] = y;
         }
@@ -702,9 +728,7 @@ mod neon {
     ) {
         use std::arch::aarch64::*;
         let (k, nb, gs) = (a.k, shape.nb, shape.gshift);
-        let bf16 = |b: &[u8], i: usize| {
-            f32::from_bits((u16::from_le_bytes([b[2 * i], b[2 * i + 1]]) as u32) << 16)
-        };
+        let bf16 = super::bf16_at;
         let mask = vdupq_n_u8(0x0f);
         let mut acc = [vdupq_n_f32(0.0); super::MR];
         for b in 0..nb {

@@ -24,6 +24,22 @@ pub struct Rows<'a> {
     pub shape: &'a RowShape,
 }
 
+#[cfg(target_arch = "x86_64")]
+impl Rows<'_> {
+    /// Weight row `n`'s codes, bf16 scales and bf16 biases.
+    fn row(&self, n: usize) -> &[u8] {
+        &self.packed[n * self.row_bytes..(n + 1) * self.row_bytes]
+    }
+    fn row_scales(&self, n: usize) -> &[u8] {
+        let g = self.shape.gpr;
+        &self.scales[2 * n * g..2 * (n + 1) * g]
+    }
+    fn row_biases(&self, n: usize) -> &[u8] {
+        let g = self.shape.gpr;
+        &self.biases[2 * n * g..2 * (n + 1) * g]
+    }
+}
+
 /// Activation rows that share each unpacked chunk of weights.
 #[cfg(target_arch = "x86_64")]
 const MR: usize = 4;
@@ -33,28 +49,47 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{IntActs, Rows, MR};
+    use crate::engine::cpu::quant::{bf16_at, tail_blocks};
 
-    #[inline(always)]
-    fn bf16(b: &[u8], i: usize) -> f32 {
-        f32::from_bits((u16::from_le_bytes([b[2 * i], b[2 * i + 1]]) as u32) << 16)
+    /// Every weight row of a task against its activation rows, up to `MR` at a time, through
+    /// `$row::<R, SPLIT>(w, a, n, i0, out)`.
+    macro_rules! each_row {
+        ($row:ident, $w:expr, $a:expr, $first:expr, $m:expr, $split:expr, $outs:expr) => {{
+            let (w, a, first, m, split) = ($w, $a, $first, $m, $split);
+            for (j, out) in $outs.chunks_exact_mut(m).enumerate() {
+                let mut i = 0;
+                while i < m {
+                    let take = (m - i).min(MR);
+                    let o = &mut out[i..i + take];
+                    match (take, split) {
+                        (4, true) => $row::<4, true>(w, a, first + j, i, o),
+                        (4, false) => $row::<4, false>(w, a, first + j, i, o),
+                        (_, true) => (0..take)
+                            .for_each(|r| $row::<1, true>(w, a, first + j, i + r, &mut o[r..])),
+                        (_, false) => (0..take)
+                            .for_each(|r| $row::<1, false>(w, a, first + j, i + r, &mut o[r..])),
+                    }
+                    i += take;
+                }
+            }
+        }};
     }
 
-    /// Blocks past the last whole step (widths that are not a multiple of the step): scalar,
-    /// the definition itself.
-    fn tail(w: &Rows, n: usize, a: &IntActs, i: usize, from_block: usize, sb: &[u8]) -> f32 {
-        let (nb, gsh) = (w.shape.nb, w.shape.gshift);
-        let row = &w.packed[n * w.row_bytes..(n + 1) * w.row_bytes];
-        let mut y = 0f32;
-        for b in from_block..nb {
-            let mut isum = 0i32;
-            for j in 0..32 {
-                let byte = row[b * 16 + j / 2];
-                let q = if j % 2 == 0 { byte & 15 } else { byte >> 4 };
-                isum += q as i32 * a.code(i, b, j);
+    /// `$step!(b, p)` over the steps `0, $w, 2·$w, …` below `$n`, `p` alternating 0 and 1: two
+    /// accumulators, so consecutive steps do not wait on each other's FMA.
+    macro_rules! alternate {
+        ($n:expr, $w:expr, $step:ident) => {{
+            let (n, w) = ($n, $w);
+            let mut b = 0;
+            while b + 2 * w <= n {
+                $step!(b, 0);
+                $step!(b + w, 1);
+                b += 2 * w;
             }
-            y += bf16(sb, b >> gsh) * a.d[i * nb + b] * isum as f32;
-        }
-        y
+            if b < n {
+                $step!(b, 0);
+            }
+        }};
     }
 
     /// 16-bit lane `p` of the scale vector takes scale `(p / 8) >> gshift` of the step (four
@@ -74,6 +109,124 @@ mod x86 {
     const PFD: usize = 8192;
     const SCALE_INDEX: [[i16; 32]; 3] = [scale_index(0), scale_index(1), scale_index(2)];
 
+    /// The constants of an AVX-512 step (four 32-value blocks), set up once per row.
+    struct Step512 {
+        mask: __m512i,
+        idx: __m512i,
+        /// The scales one step reads: 4, 2 or 1 (groups of 32, 64, 128 and more).
+        smask: __mmask8,
+        zero: __m512i,
+        gsh: usize,
+    }
+
+    impl Step512 {
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+        #[inline]
+        unsafe fn new(gsh: usize) -> Self {
+            Step512 {
+                mask: _mm512_set1_epi8(0x0f),
+                idx: _mm512_loadu_si512(SCALE_INDEX[gsh.min(2)].as_ptr() as *const _),
+                smask: [0xf, 0x3, 0x1][gsh.min(2)],
+                zero: _mm512_setzero_si512(),
+                gsh,
+            }
+        }
+
+        /// Activation row `i`'s code halves at block `b` (even/odd low parts, then the high
+        /// parts with `SPLIT`, else zero) and its four blocks' scales `d`, one per i32 lane.
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+        #[inline]
+        unsafe fn acts<const SPLIT: bool>(
+            &self,
+            a: &IntActs,
+            i: usize,
+            b: usize,
+        ) -> ([__m512i; 4], __m512) {
+            let off = i * a.k / 2 + b * 16;
+            let ld = |v: &Vec<i8>| _mm512_loadu_si512(v.as_ptr().add(off) as *const _);
+            let x = if SPLIT {
+                [ld(&a.el), ld(&a.ol), ld(&a.eh), ld(&a.oh)]
+            } else {
+                [ld(&a.el), ld(&a.ol), self.zero, self.zero]
+            };
+            (
+                x,
+                _mm512_loadu_ps(a.dx.as_ptr().add(4 * (i * a.k / 32 + b))),
+            )
+        }
+
+        /// `acc + Σ_block s_g·d_b·Σ q·x` over the four blocks at `b` of the row whose codes
+        /// start at `rp` and bf16 scales at `sp`.
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+        #[inline]
+        unsafe fn block<const SPLIT: bool>(
+            &self,
+            rp: *const u8,
+            sp: *const i16,
+            b: usize,
+            (x, dxv): &([__m512i; 4], __m512),
+            acc: __m512,
+        ) -> __m512 {
+            let wv = _mm512_loadu_si512(rp.add(b * 16) as *const _);
+            let lo = _mm512_and_si512(wv, self.mask);
+            let hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), self.mask);
+            // bf16 scales into the high halves of f32 lanes (the low halves zero): f32 values
+            let raw = _mm_maskz_loadu_epi16(self.smask, sp.add(b >> self.gsh));
+            let ws = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
+                0xAAAA_AAAA,
+                self.idx,
+                _mm512_castsi128_si512(raw),
+            ));
+            let mut s32 = _mm512_dpbusd_epi32(self.zero, lo, x[0]);
+            s32 = _mm512_dpbusd_epi32(s32, hi, x[1]);
+            if SPLIT {
+                let h = _mm512_dpbusd_epi32(self.zero, lo, x[2]);
+                let h = _mm512_dpbusd_epi32(h, hi, x[3]);
+                s32 = _mm512_add_epi32(s32, _mm512_slli_epi32(h, 7));
+            }
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32), _mm512_mul_ps(ws, *dxv), acc)
+        }
+
+        /// Weight row `n`'s output for activation row `i`: the two accumulators, `Σ_g b_g ·
+        /// Σx_g` sixteen groups at a time (masked loads read nothing past the row), reduced,
+        /// plus the blocks past the last whole step.
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+        #[inline]
+        unsafe fn finish(
+            &self,
+            w: &Rows,
+            a: &IntActs,
+            n: usize,
+            i: usize,
+            acc: [__m512; 2],
+        ) -> f32 {
+            let (nb, gpr) = (w.shape.nb, w.shape.gpr);
+            let bp = w.biases.as_ptr().add(2 * n * gpr) as *const i16;
+            let gs = a.gsum.as_ptr().add(i * gpr);
+            let mut bv = _mm512_add_ps(acc[0], acc[1]);
+            let mut g = 0;
+            while g < gpr {
+                let m16: __mmask16 = if gpr - g >= 16 {
+                    0xffff
+                } else {
+                    ((1u32 << (gpr - g)) - 1) as u16
+                };
+                let bias = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m16, bp.add(g))),
+                    16,
+                ));
+                bv = _mm512_fmadd_ps(bias, _mm512_maskz_loadu_ps(m16, gs.add(g)), bv);
+                g += 16;
+            }
+            let mut y = _mm512_reduce_add_ps(bv);
+            let quads = nb & !3;
+            if quads < nb {
+                y += tail_blocks(w.row(n), w.row_scales(n), self.gsh, a, i, quads..nb);
+            }
+            y
+        }
+    }
+
     /// AVX-512 VNNI. Callers check that the CPU has avx512f/bw/vl/vnni.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
     pub unsafe fn rows512(
@@ -84,45 +237,31 @@ mod x86 {
         split: bool,
         outs: &mut [f32],
     ) {
-        if m == 1 {
-            // a decode row: weight rows two at a time, each activation load serving both
-            let mut j = 0;
-            while j + 2 <= outs.len() {
-                let (o0, o1) = outs[j..j + 2].split_at_mut(1);
-                if split {
-                    pair512::<true>(w, a, first + j, &mut o0[0], &mut o1[0]);
-                } else {
-                    pair512::<false>(w, a, first + j, &mut o0[0], &mut o1[0]);
-                }
-                j += 2;
-            }
-            if j < outs.len() {
-                if split {
-                    row512::<1, true>(w, a, first + j, 0, &mut outs[j..]);
-                } else {
-                    row512::<1, false>(w, a, first + j, 0, &mut outs[j..]);
-                }
-            }
+        if m > 1 {
+            each_row!(row512, w, a, first, m, split, outs);
             return;
         }
-        for (j, out) in outs.chunks_exact_mut(m).enumerate() {
-            let mut i = 0;
-            while i < m {
-                let take = (m - i).min(MR);
-                let o = &mut out[i..i + take];
-                match (take, split) {
-                    (4, true) => row512::<4, true>(w, a, first + j, i, o),
-                    (4, false) => row512::<4, false>(w, a, first + j, i, o),
-                    (_, true) => (0..take)
-                        .for_each(|r| row512::<1, true>(w, a, first + j, i + r, &mut o[r..])),
-                    (_, false) => (0..take)
-                        .for_each(|r| row512::<1, false>(w, a, first + j, i + r, &mut o[r..])),
-                }
-                i += take;
+        // a decode row: weight rows two at a time, each activation load serving both
+        let mut j = 0;
+        while j + 2 <= outs.len() {
+            let (o0, o1) = outs[j..j + 2].split_at_mut(1);
+            if split {
+                pair512::<true>(w, a, first + j, &mut o0[0], &mut o1[0]);
+            } else {
+                pair512::<false>(w, a, first + j, &mut o0[0], &mut o1[0]);
+            }
+            j += 2;
+        }
+        if j < outs.len() {
+            if split {
+                row512::<1, true>(w, a, first + j, 0, &mut outs[j..]);
+            } else {
+                row512::<1, false>(w, a, first + j, 0, &mut outs[j..]);
             }
         }
     }
 
+    /// Weight row `n` against activation rows `i0..i0 + R`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
     #[inline]
     unsafe fn row512<const R: usize, const SPLIT: bool>(
@@ -132,96 +271,25 @@ mod x86 {
         i0: usize,
         out: &mut [f32],
     ) {
-        let (k, nb, gsh, gpr) = (a.k, w.shape.nb, w.shape.gshift, w.shape.gpr);
-        let sb = &w.scales[2 * n * gpr..2 * (n + 1) * gpr];
-        let bb = &w.biases[2 * n * gpr..2 * (n + 1) * gpr];
-        let rp = w.packed.as_ptr().add(n * w.row_bytes);
-        let sp = sb.as_ptr() as *const i16;
-        let quads = nb & !3;
-        let mask = _mm512_set1_epi8(0x0f);
-        let idx = _mm512_loadu_si512(SCALE_INDEX[gsh.min(2)].as_ptr() as *const _);
-        // the scales one step reads: 4, 2 or 1 (groups of 32, 64, 128 and more)
-        let smask: __mmask8 = [0xf, 0x3, 0x1][gsh.min(2)];
-        let (el, ol) = (a.el.as_ptr(), a.ol.as_ptr());
-        let (eh, oh) = (a.eh.as_ptr(), a.oh.as_ptr());
-        let dx = a.dx.as_ptr();
-        let zero = _mm512_setzero_si512();
-        // two accumulators a row: consecutive steps do not wait on each other's FMA
+        let c = Step512::new(w.shape.gshift);
+        let (rp, sp) = (w.row(n).as_ptr(), w.row_scales(n).as_ptr() as *const i16);
         let mut acc = [[_mm512_setzero_ps(); 2]; R];
         macro_rules! step {
-            ($b:expr, $p:tt) => {{
-                let b = $b;
-                let wv = _mm512_loadu_si512(rp.add(b * 16) as *const _);
-                let lo = _mm512_and_si512(wv, mask);
-                let hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), mask);
-                // bf16 scales into the high halves of f32 lanes (the low halves zero): f32 values
-                let raw = _mm_maskz_loadu_epi16(smask, sp.add(b >> gsh));
-                let ws = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
-                    0xAAAA_AAAA,
-                    idx,
-                    _mm512_castsi128_si512(raw),
-                ));
+            ($b:expr, $p:tt) => {
                 for r in 0..R {
-                    let off = (i0 + r) * k / 2 + b * 16;
-                    let mut s32 =
-                        _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(el.add(off) as *const _));
-                    s32 = _mm512_dpbusd_epi32(s32, hi, _mm512_loadu_si512(ol.add(off) as *const _));
-                    if SPLIT {
-                        let h = _mm512_dpbusd_epi32(
-                            zero,
-                            lo,
-                            _mm512_loadu_si512(eh.add(off) as *const _),
-                        );
-                        let h =
-                            _mm512_dpbusd_epi32(h, hi, _mm512_loadu_si512(oh.add(off) as *const _));
-                        s32 = _mm512_add_epi32(s32, _mm512_slli_epi32(h, 7));
-                    }
-                    let dxv = _mm512_loadu_ps(dx.add(4 * ((i0 + r) * nb + b)));
-                    acc[r][$p] = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(s32),
-                        _mm512_mul_ps(ws, dxv),
-                        acc[r][$p],
-                    );
+                    let x = c.acts::<SPLIT>(a, i0 + r, $b);
+                    acc[r][$p] = c.block::<SPLIT>(rp, sp, $b, &x, acc[r][$p]);
                 }
-            }};
+            };
         }
-        let mut b = 0;
-        while b + 8 <= quads {
-            step!(b, 0);
-            step!(b + 4, 1);
-            b += 8;
-        }
-        if b < quads {
-            step!(b, 0);
-        }
-        // Σ_g b_g · Σx_g, sixteen groups a step (masked loads read nothing past the row)
-        let bp = bb.as_ptr() as *const i16;
+        alternate!(w.shape.nb & !3, 4, step);
         for r in 0..R {
-            let gs = a.gsum.as_ptr().add((i0 + r) * gpr);
-            let mut bv = _mm512_add_ps(acc[r][0], acc[r][1]);
-            let mut g = 0;
-            while g < gpr {
-                let m16: __mmask16 = if gpr - g >= 16 {
-                    0xffff
-                } else {
-                    ((1u32 << (gpr - g)) - 1) as u16
-                };
-                let bias = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m16, bp.add(g))),
-                    16,
-                ));
-                bv = _mm512_fmadd_ps(bias, _mm512_maskz_loadu_ps(m16, gs.add(g)), bv);
-                g += 16;
-            }
-            let mut y = _mm512_reduce_add_ps(bv);
-            if quads < nb {
-                y += tail(w, n, a, i0 + r, quads, sb);
-            }
-            out[r] = y;
+            out[r] = c.finish(w, a, n, i0 + r, acc[r]);
         }
     }
 
-    /// Two consecutive weight rows against activation row 0: each activation load serves both.
+    /// Weight rows `n` and `n + 1` against activation row 0, the codes prefetched ahead. The
+    /// f32 sums are `row512::<1, _>`'s exactly: a row gives the same bits in a pair or alone.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
     unsafe fn pair512<const SPLIT: bool>(
         w: &Rows,
@@ -230,101 +298,26 @@ mod x86 {
         out0: &mut f32,
         out1: &mut f32,
     ) {
-        let (nb, gsh, gpr) = (w.shape.nb, w.shape.gshift, w.shape.gpr);
-        let quads = nb & !3;
-        let mask = _mm512_set1_epi8(0x0f);
-        let idx = _mm512_loadu_si512(SCALE_INDEX[gsh.min(2)].as_ptr() as *const _);
-        let smask: __mmask8 = [0xf, 0x3, 0x1][gsh.min(2)];
-        let (el, ol) = (a.el.as_ptr(), a.ol.as_ptr());
-        let (eh, oh) = (a.eh.as_ptr(), a.oh.as_ptr());
-        let dx = a.dx.as_ptr();
-        let zero = _mm512_setzero_si512();
-        let rp = [
-            w.packed.as_ptr().add(n * w.row_bytes),
-            w.packed.as_ptr().add((n + 1) * w.row_bytes),
+        let c = Step512::new(w.shape.gshift);
+        let rp = [w.row(n).as_ptr(), w.row(n + 1).as_ptr()];
+        let sp = [
+            w.row_scales(n).as_ptr() as *const i16,
+            w.row_scales(n + 1).as_ptr() as *const i16,
         ];
-        let s16 = w.scales.as_ptr() as *const i16;
-        let sp = [s16.add(n * gpr), s16.add((n + 1) * gpr)];
-        // per row two accumulators, alternate steps: the f32 sums of `row512::<1, _>` exactly,
-        // so a row gives the same bits whether it ran in a pair or alone
         let mut acc = [[_mm512_setzero_ps(); 2]; 2];
         macro_rules! step {
             ($b:expr, $p:tt) => {{
-                let b = $b;
-                let off = b * 16;
-                let xel = _mm512_loadu_si512(el.add(off) as *const _);
-                let xol = _mm512_loadu_si512(ol.add(off) as *const _);
-                let (xeh, xoh) = if SPLIT {
-                    (
-                        _mm512_loadu_si512(eh.add(off) as *const _),
-                        _mm512_loadu_si512(oh.add(off) as *const _),
-                    )
-                } else {
-                    (zero, zero)
-                };
-                let dxv = _mm512_loadu_ps(dx.add(4 * b));
+                let x = c.acts::<SPLIT>(a, 0, $b);
                 for r in 0..2 {
                     // a hint: an address past the matrix does not fault
-                    _mm_prefetch::<_MM_HINT_T0>(rp[r].wrapping_add(b * 16 + PFD) as *const i8);
-                    let wv = _mm512_loadu_si512(rp[r].add(b * 16) as *const _);
-                    let lo = _mm512_and_si512(wv, mask);
-                    let hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), mask);
-                    let raw = _mm_maskz_loadu_epi16(smask, sp[r].add(b >> gsh));
-                    let ws = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
-                        0xAAAA_AAAA,
-                        idx,
-                        _mm512_castsi128_si512(raw),
-                    ));
-                    let mut s32 = _mm512_dpbusd_epi32(zero, lo, xel);
-                    s32 = _mm512_dpbusd_epi32(s32, hi, xol);
-                    if SPLIT {
-                        let h = _mm512_dpbusd_epi32(zero, lo, xeh);
-                        let h = _mm512_dpbusd_epi32(h, hi, xoh);
-                        s32 = _mm512_add_epi32(s32, _mm512_slli_epi32(h, 7));
-                    }
-                    acc[r][$p] = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(s32),
-                        _mm512_mul_ps(ws, dxv),
-                        acc[r][$p],
-                    );
+                    _mm_prefetch::<_MM_HINT_T0>(rp[r].wrapping_add($b * 16 + PFD) as *const i8);
+                    acc[r][$p] = c.block::<SPLIT>(rp[r], sp[r], $b, &x, acc[r][$p]);
                 }
             }};
         }
-        let mut b = 0;
-        while b + 8 <= quads {
-            step!(b, 0);
-            step!(b + 4, 1);
-            b += 8;
-        }
-        if b < quads {
-            step!(b, 0);
-        }
-        for (r, out) in [out0, out1].into_iter().enumerate() {
-            let nn = n + r;
-            let sb = &w.scales[2 * nn * gpr..2 * (nn + 1) * gpr];
-            let bp = w.biases.as_ptr().add(2 * nn * gpr) as *const i16;
-            let gs = a.gsum.as_ptr();
-            let mut bv = _mm512_add_ps(acc[r][0], acc[r][1]);
-            let mut g = 0;
-            while g < gpr {
-                let m16: __mmask16 = if gpr - g >= 16 {
-                    0xffff
-                } else {
-                    ((1u32 << (gpr - g)) - 1) as u16
-                };
-                let bias = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m16, bp.add(g))),
-                    16,
-                ));
-                bv = _mm512_fmadd_ps(bias, _mm512_maskz_loadu_ps(m16, gs.add(g)), bv);
-                g += 16;
-            }
-            let mut y = _mm512_reduce_add_ps(bv);
-            if quads < nb {
-                y += tail(w, nn, a, 0, quads, sb);
-            }
-            *out = y;
-        }
+        alternate!(w.shape.nb & !3, 4, step);
+        *out0 = c.finish(w, a, n, 0, acc[0]);
+        *out1 = c.finish(w, a, n + 1, 0, acc[1]);
     }
 
     /// AVX-VNNI (the VEX-encoded 256-bit `vpdpbusd`). Callers check avxvnni, avx2 and fma.
@@ -337,22 +330,7 @@ mod x86 {
         split: bool,
         outs: &mut [f32],
     ) {
-        for (j, out) in outs.chunks_exact_mut(m).enumerate() {
-            let mut i = 0;
-            while i < m {
-                let take = (m - i).min(MR);
-                let o = &mut out[i..i + take];
-                match (take, split) {
-                    (4, true) => row256::<4, true>(w, a, first + j, i, o),
-                    (4, false) => row256::<4, false>(w, a, first + j, i, o),
-                    (_, true) => (0..take)
-                        .for_each(|r| row256::<1, true>(w, a, first + j, i + r, &mut o[r..])),
-                    (_, false) => (0..take)
-                        .for_each(|r| row256::<1, false>(w, a, first + j, i + r, &mut o[r..])),
-                }
-                i += take;
-            }
-        }
+        each_row!(row256, w, a, first, m, split, outs);
     }
 
     #[target_feature(enable = "avxvnni,avx2,fma")]
@@ -365,9 +343,8 @@ mod x86 {
         out: &mut [f32],
     ) {
         let (k, nb, gsh, gpr) = (a.k, w.shape.nb, w.shape.gshift, w.shape.gpr);
-        let sb = &w.scales[2 * n * gpr..2 * (n + 1) * gpr];
-        let bb = &w.biases[2 * n * gpr..2 * (n + 1) * gpr];
-        let rp = w.packed.as_ptr().add(n * w.row_bytes);
+        let (sb, bb) = (w.row_scales(n), w.row_biases(n));
+        let rp = w.row(n).as_ptr();
         let paired = nb & !1;
         let mask = _mm256_set1_epi8(0x0f);
         let (el, ol) = (a.el.as_ptr(), a.ol.as_ptr());
@@ -382,9 +359,9 @@ mod x86 {
                 let lo = _mm256_and_si256(wv, mask);
                 let hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), mask);
                 let ws = if gsh > 0 {
-                    _mm256_set1_ps(bf16(sb, b >> gsh))
+                    _mm256_set1_ps(bf16_at(sb, b >> gsh))
                 } else {
-                    _mm256_set_m128(_mm_set1_ps(bf16(sb, b + 1)), _mm_set1_ps(bf16(sb, b)))
+                    _mm256_set_m128(_mm_set1_ps(bf16_at(sb, b + 1)), _mm_set1_ps(bf16_at(sb, b)))
                 };
                 for r in 0..R {
                     let off = (i0 + r) * k / 2 + b * 16;
@@ -405,15 +382,7 @@ mod x86 {
                 }
             }};
         }
-        let mut b = 0;
-        while b + 4 <= paired {
-            step!(b, 0);
-            step!(b + 2, 1);
-            b += 4;
-        }
-        if b < paired {
-            step!(b, 0);
-        }
+        alternate!(paired, 2, step);
         let bp = bb.as_ptr();
         for r in 0..R {
             let gs = a.gsum.as_ptr().add((i0 + r) * gpr);
@@ -427,9 +396,9 @@ mod x86 {
                 v = _mm256_fmadd_ps(bias, _mm256_loadu_ps(gs.add(g)), v);
                 g += 8;
             }
-            let mut y = (g..gpr).map(|g| bf16(bb, g) * *gs.add(g)).sum::<f32>();
+            let mut y = (g..gpr).map(|g| bf16_at(bb, g) * *gs.add(g)).sum::<f32>();
             if paired < nb {
-                y += tail(w, n, a, i0 + r, paired, sb);
+                y += tail_blocks(w.row(n), sb, gsh, a, i0 + r, paired..nb);
             }
             let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
             let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
