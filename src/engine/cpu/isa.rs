@@ -1,7 +1,7 @@
 //! Which instruction set the CPU kernels use, chosen once per process by feature detection:
 //! on x86-64 AVX-512 with VNNI (Ice Lake and later Xeons, Zen 4 and 5), else AVX-VNNI (Alder
 //! Lake and later desktop parts), else AVX2+FMA; the VNNI ones change only the 4-bit decode
-//! kernel (`vnni.rs`), everything else runs its AVX2 code there. On aarch64 NEON with the dot-product extension (`sdot`: every Apple
+//! kernel (`x86.rs`), everything else runs its AVX2 code there. On aarch64 NEON with the dot-product extension (`sdot`: every Apple
 //! Silicon CPU, Graviton 2 and later) or plain NEON (every aarch64 CPU); else the scalar path.
 //! `BOT_CPU_ISA=scalar|avx2|avx-vnni|avx512-vnni|neon|neon-dotprod` overrides it (tests of the fallbacks, bisecting a wrong
 //! result); naming an instruction set this CPU lacks is an error at start-up, not a crash.
@@ -32,11 +32,6 @@ impl Isa {
     /// An x86-64 set that includes AVX2 and FMA (the AVX2 kernels run).
     pub fn avx2(self) -> bool {
         matches!(self, Isa::Avx512Vnni | Isa::AvxVnni | Isa::Avx2)
-    }
-
-    /// Whether the decode kernel is `vnni.rs`'s.
-    pub fn vnni(self) -> bool {
-        matches!(self, Isa::Avx512Vnni | Isa::AvxVnni)
     }
 
     pub fn name(self) -> &'static str {

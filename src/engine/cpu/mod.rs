@@ -6,4 +6,4 @@ pub mod gemm;
 pub mod isa;
 pub mod quant;
 pub mod sample;
-pub mod vnni;
+pub mod x86;

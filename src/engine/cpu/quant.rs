@@ -434,8 +434,8 @@ fn int_task(
         gpr: v.gpr,
         gshift: (gs / 32).trailing_zeros() as usize,
     };
-    if isa.vnni() {
-        let rows = crate::engine::cpu::vnni::Rows {
+    if isa.avx2() {
+        let rows = crate::engine::cpu::x86::Rows {
             packed: v.packed,
             row_bytes: v.row_bytes,
             scales: v.scales.raw(),
@@ -444,7 +444,7 @@ fn int_task(
         };
         // SAFETY: `isa` was detected at run time (or checked by the tests) and the scales
         // and biases are bf16 (`int_ok`); `outs` holds whole rows of this matrix.
-        unsafe { crate::engine::cpu::vnni::rows(isa, &rows, a, first, m, split, outs) };
+        unsafe { crate::engine::cpu::x86::rows(isa, &rows, a, first, m, split, outs) };
         return;
     }
     for (j, out) in outs.chunks_exact_mut(m).enumerate() {
@@ -461,9 +461,9 @@ fn int_task(
             // slices hold one row of codes, scales and biases, `a` the activations of rows
             // `i..i + take`.
             match isa {
-                Isa::Avx2 | Isa::Avx512Vnni | Isa::AvxVnni => unsafe {
-                    avx2::q4_rows(row, sb, bb, &shape, a, i, take, split, out)
-                },
+                Isa::Avx2 | Isa::Avx512Vnni | Isa::AvxVnni => {
+                    unreachable!("x86 sets take the x86.rs kernels above")
+                }
                 Isa::Neon => unsafe { neon::q4_rows(row, sb, bb, &shape, a, i, take, split, out) },
                 Isa::NeonDot => unsafe {
                     neon::q4_rows_dot(row, sb, bb, &shape, a, i, take, split, out)
@@ -493,135 +493,6 @@ pub fn int_q4_scalar(w: &QMatrix, x: &[f32], m: usize, split: bool) -> Vec<f32> 
         }
     }
     y
-}
-
-mod avx2 {
-    #[cfg(target_arch = "x86_64")]
-    use super::{bf16_at, tail_blocks};
-    use super::{IntActs, RowShape};
-
-    /// Complete outputs for activation rows `i0..i0+take` (take ≤ MR) against one weight row
-    /// (`row` codes, `sb`/`bb` its bf16 scales and biases): the integer dot products of every
-    /// block scaled by `s_g · d_b`, plus `Σ_g b_g · Σx_g`.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn q4_rows(
-        row: &[u8],
-        sb: &[u8],
-        bb: &[u8],
-        shape: &RowShape,
-        a: &IntActs,
-        i0: usize,
-        take: usize,
-        split: bool,
-        out: &mut [f32],
-    ) {
-        match (take, split) {
-            (4, true) => rows_n::<4, true>(row, sb, bb, shape, a, i0, out),
-            (4, false) => rows_n::<4, false>(row, sb, bb, shape, a, i0, out),
-            (_, true) => (0..take)
-                .for_each(|r| rows_n::<1, true>(row, sb, bb, shape, a, i0 + r, &mut out[r..])),
-            (_, false) => (0..take)
-                .for_each(|r| rows_n::<1, false>(row, sb, bb, shape, a, i0 + r, &mut out[r..])),
-        }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    unsafe fn rows_n<const R: usize, const SPLIT: bool>(
-        row: &[u8],
-        sb: &[u8],
-        bb: &[u8],
-        shape: &RowShape,
-        a: &IntActs,
-        i0: usize,
-        out: &mut [f32],
-    ) {
-        use std::arch::x86_64::*;
-        let (k, nb, gs) = (a.k, shape.nb, shape.gshift);
-        let paired = nb & !1;
-        let rp = row.as_ptr();
-        let mask = _mm256_set1_epi8(0x0f);
-        let ones = _mm256_set1_epi16(1);
-        let c128 = _mm256_set1_epi16(128);
-        let mut accv = [_mm256_setzero_ps(); R];
-        let sp = sb.as_ptr() as *const u16;
-        let (el, ol) = (a.el.as_ptr(), a.ol.as_ptr());
-        let (eh, oh) = (a.eh.as_ptr(), a.oh.as_ptr());
-        let dx = a.dx.as_ptr();
-        let scale =
-            |blk: usize| f32::from_bits((std::ptr::read_unaligned(sp.add(blk >> gs)) as u32) << 16);
-        let mut b = 0;
-        while b < paired {
-            let w = _mm256_loadu_si256(rp.add(b * 16) as *const __m256i);
-            let lo = _mm256_and_si256(w, mask);
-            let hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
-            // groups of 64 and more share one scale across the pair of blocks
-            let wsv = if gs > 0 {
-                _mm256_set1_ps(scale(b))
-            } else {
-                _mm256_set_m128(_mm_set1_ps(scale(b + 1)), _mm_set1_ps(scale(b)))
-            };
-            for r in 0..R {
-                let off = (i0 + r) * k / 2 + b * 16;
-                let pl = _mm256_add_epi16(
-                    _mm256_maddubs_epi16(lo, _mm256_loadu_si256(el.add(off) as *const __m256i)),
-                    _mm256_maddubs_epi16(hi, _mm256_loadu_si256(ol.add(off) as *const __m256i)),
-                );
-                let mut s32 = _mm256_madd_epi16(pl, ones);
-                if SPLIT {
-                    let ph = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo, _mm256_loadu_si256(eh.add(off) as *const __m256i)),
-                        _mm256_maddubs_epi16(hi, _mm256_loadu_si256(oh.add(off) as *const __m256i)),
-                    );
-                    s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(ph, c128));
-                }
-                let dxv = _mm256_loadu_ps(dx.add(4 * ((i0 + r) * nb + b)));
-                accv[r] =
-                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(wsv, dxv), accv[r]);
-            }
-            b += 2;
-        }
-        for r in 0..R {
-            let i = i0 + r;
-            let h = _mm_add_ps(
-                _mm256_castps256_ps128(accv[r]),
-                _mm256_extractf128_ps(accv[r], 1),
-            );
-            let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            let h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-            let mut y = _mm_cvtss_f32(h);
-            if paired < nb {
-                // an odd trailing block (widths of 32 * odd)
-                y += tail_blocks(row, sb, gs, a, i, paired..nb);
-            }
-            let gsum = &a.gsum[i * shape.gpr..(i + 1) * shape.gpr];
-            y += gsum
-                .iter()
-                .enumerate()
-                .map(|(g, &s)| bf16_at(bb, g) * s)
-                .sum::<f32>();
-            out[r] = y;
-        }
-    }
-
-    #[cfg(not(target_arch = "x86_64"))]
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn q4_rows(
-        _: &[u8],
-        _: &[u8],
-        _: &[u8],
-        _: &RowShape,
-        _: &IntActs,
-        _: usize,
-        _: usize,
-        _: bool,
-        _: &mut [f32],
-    ) {
-        unreachable!("the AVX2 kernel is chosen only on x86-64")
-    }
 }
 
 /// The integer kernel on ARM NEON (every aarch64 CPU; Apple Silicon's CPU is what runs when

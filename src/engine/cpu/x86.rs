@@ -1,13 +1,13 @@
-//! The 4-bit integer decode kernel of `quant.rs` (`Numerics::Fast` and `Int8`) on VNNI's
-//! `vpdpbusd` (unsigned 8-bit times signed 8-bit, four products a lane summed into i32 in one
-//! instruction, where AVX2 needs `maddubs` then `madd`): AVX-512 (Ice Lake and later Xeons,
-//! Zen 4 and 5) on 64 bytes of codes, four 32-value blocks, a step; AVX-VNNI (Alder Lake and
-//! later desktop parts) on 32 bytes. The integer sums are exactly `int_row_scalar`'s (the
-//! scalar definition the tests compare with); only the f32 additions are in another order.
+//! The 4-bit integer decode kernel of `quant.rs` (`Numerics::Fast` and `Int8`) on x86-64: AVX2
+//! (`maddubs` then `madd`, two 32-value blocks a step), and VNNI's `vpdpbusd` (unsigned 8-bit
+//! times signed 8-bit, four products a lane summed into i32 in one instruction): AVX-512 (Ice
+//! Lake and later Xeons, Zen 4 and 5) on 64 bytes of codes, four blocks, a step; AVX-VNNI (Alder
+//! Lake and later desktop parts) on 32 bytes. The integer sums are exactly `int_row_scalar`'s
+//! (the scalar definition the tests compare with); only the f32 additions are in another order.
 //!
 //! A call covers a range of weight rows (one rayon task's), so the constants are set up once
 //! per task, not per row. A decode row (m = 1) takes the weight rows two at a time, so each
-//! activation load serves both, and prefetches the task's stream ahead. Per step and weight row: the codes are split into low and high
+//! activation load serves both, and prefetches the task's stream ahead (AVX2 and AVX-512). Per step and weight row: the codes are split into low and high
 //! nibbles (even and odd positions, as `IntActs` splits the activations); each 128-bit lane is
 //! one block, whose four i32 lanes are scaled by `s_g · d_b` into f32 and accumulated. With
 //! 15-bit activations (`split`) the high parts' sum is added times 128.
@@ -227,6 +227,222 @@ mod x86 {
         }
     }
 
+    /// The constants of an AVX2 step (two 32-value blocks, 32 bytes of codes), set up once per
+    /// row. Per block, `maddubs` multiplies the unsigned codes by the signed activation halves
+    /// into i16 pairs (|15 · 128 · 2| fits) and `madd` sums those into i32 lanes.
+    struct Step256 {
+        mask: __m256i,
+        ones: __m256i,
+        c128: __m256i,
+        zero: __m256i,
+        gsh: usize,
+    }
+
+    impl Step256 {
+        #[target_feature(enable = "avx2,fma")]
+        #[inline]
+        unsafe fn new(gsh: usize) -> Self {
+            Step256 {
+                mask: _mm256_set1_epi8(0x0f),
+                ones: _mm256_set1_epi16(1),
+                c128: _mm256_set1_epi16(128),
+                zero: _mm256_setzero_si256(),
+                gsh,
+            }
+        }
+
+        /// Activation row `i`'s code halves at block `b` (even/odd low parts, then the high
+        /// parts with `SPLIT`, else zero) and its two blocks' scales `d`, four lanes each.
+        #[target_feature(enable = "avx2,fma")]
+        #[inline]
+        unsafe fn acts<const SPLIT: bool>(
+            &self,
+            a: &IntActs,
+            i: usize,
+            b: usize,
+        ) -> ([__m256i; 4], __m256) {
+            let off = i * a.k / 2 + b * 16;
+            let ld = |v: &Vec<i8>| _mm256_loadu_si256(v.as_ptr().add(off) as *const __m256i);
+            let x = if SPLIT {
+                [ld(&a.el), ld(&a.ol), ld(&a.eh), ld(&a.oh)]
+            } else {
+                [ld(&a.el), ld(&a.ol), self.zero, self.zero]
+            };
+            (
+                x,
+                _mm256_loadu_ps(a.dx.as_ptr().add(4 * (i * a.k / 32 + b))),
+            )
+        }
+
+        /// `acc + Σ_block s_g·d_b·Σ q·x` over the two blocks at `b` of the row whose codes
+        /// start at `rp` and bf16 scales at `sp`.
+        #[target_feature(enable = "avx2,fma")]
+        #[inline]
+        unsafe fn block<const SPLIT: bool>(
+            &self,
+            rp: *const u8,
+            sp: *const u16,
+            b: usize,
+            (x, dxv): &([__m256i; 4], __m256),
+            acc: __m256,
+        ) -> __m256 {
+            let wv = _mm256_loadu_si256(rp.add(b * 16) as *const __m256i);
+            let lo = _mm256_and_si256(wv, self.mask);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), self.mask);
+            let scale = |g: usize| f32::from_bits((sp.add(g).read_unaligned() as u32) << 16);
+            // groups of 64 and more share one scale across the pair of blocks
+            let ws = if self.gsh > 0 {
+                _mm256_set1_ps(scale(b >> self.gsh))
+            } else {
+                _mm256_set_m128(_mm_set1_ps(scale(b + 1)), _mm_set1_ps(scale(b)))
+            };
+            let pl = _mm256_add_epi16(
+                _mm256_maddubs_epi16(lo, x[0]),
+                _mm256_maddubs_epi16(hi, x[1]),
+            );
+            let mut s32 = _mm256_madd_epi16(pl, self.ones);
+            if SPLIT {
+                let ph = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(lo, x[2]),
+                    _mm256_maddubs_epi16(hi, x[3]),
+                );
+                s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(ph, self.c128));
+            }
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(ws, *dxv), acc)
+        }
+
+        /// Weight row `n`'s output for activation row `i`: the two accumulators, `Σ_g b_g ·
+        /// Σx_g` eight groups at a time, reduced, plus an odd trailing block.
+        #[target_feature(enable = "avx2,fma")]
+        #[inline]
+        unsafe fn finish(
+            &self,
+            w: &Rows,
+            a: &IntActs,
+            n: usize,
+            i: usize,
+            acc: [__m256; 2],
+        ) -> f32 {
+            let (nb, gpr) = (w.shape.nb, w.shape.gpr);
+            let bb = w.row_biases(n);
+            let gs = &a.gsum[i * gpr..(i + 1) * gpr];
+            let mut v = _mm256_add_ps(acc[0], acc[1]);
+            let mut g = 0;
+            while g + 8 <= gpr {
+                let bias = _mm256_castsi256_ps(_mm256_slli_epi32(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128(bb.as_ptr().add(2 * g) as *const _)),
+                    16,
+                ));
+                v = _mm256_fmadd_ps(bias, _mm256_loadu_ps(gs.as_ptr().add(g)), v);
+                g += 8;
+            }
+            let mut y = (g..gpr).map(|g| bf16_at(bb, g) * gs[g]).sum::<f32>();
+            let paired = nb & !1;
+            if paired < nb {
+                y += tail_blocks(w.row(n), w.row_scales(n), self.gsh, a, i, paired..nb);
+            }
+            let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            let h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+            _mm_cvtss_f32(h) + y
+        }
+    }
+
+    /// AVX2 + FMA. Callers check that the CPU has both.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn rows_avx2(
+        w: &Rows,
+        a: &IntActs,
+        first: usize,
+        m: usize,
+        split: bool,
+        outs: &mut [f32],
+    ) {
+        if m > 1 {
+            each_row!(row_avx2, w, a, first, m, split, outs);
+            return;
+        }
+        let mut j = 0;
+        while j + 2 <= outs.len() {
+            let (o0, o1) = outs[j..j + 2].split_at_mut(1);
+            if split {
+                pair_avx2::<true>(w, a, first + j, &mut o0[0], &mut o1[0]);
+            } else {
+                pair_avx2::<false>(w, a, first + j, &mut o0[0], &mut o1[0]);
+            }
+            j += 2;
+        }
+        if j < outs.len() {
+            if split {
+                row_avx2::<1, true>(w, a, first + j, 0, &mut outs[j..]);
+            } else {
+                row_avx2::<1, false>(w, a, first + j, 0, &mut outs[j..]);
+            }
+        }
+    }
+
+    /// Weight row `n` against activation rows `i0..i0 + R`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn row_avx2<const R: usize, const SPLIT: bool>(
+        w: &Rows,
+        a: &IntActs,
+        n: usize,
+        i0: usize,
+        out: &mut [f32],
+    ) {
+        let c = Step256::new(w.shape.gshift);
+        let (rp, sp) = (w.row(n).as_ptr(), w.row_scales(n).as_ptr() as *const u16);
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        macro_rules! step {
+            ($b:expr, $p:tt) => {
+                for r in 0..R {
+                    let x = c.acts::<SPLIT>(a, i0 + r, $b);
+                    acc[r][$p] = c.block::<SPLIT>(rp, sp, $b, &x, acc[r][$p]);
+                }
+            };
+        }
+        alternate!(w.shape.nb & !1, 2, step);
+        for r in 0..R {
+            out[r] = c.finish(w, a, n, i0 + r, acc[r]);
+        }
+    }
+
+    /// Weight rows `n` and `n + 1` against activation row 0, the codes prefetched ahead (one
+    /// hint per 64 bytes of each row: every other step). The f32 sums are `row_avx2::<1, _>`'s
+    /// exactly: a row gives the same bits in a pair or alone.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn pair_avx2<const SPLIT: bool>(
+        w: &Rows,
+        a: &IntActs,
+        n: usize,
+        out0: &mut f32,
+        out1: &mut f32,
+    ) {
+        let c = Step256::new(w.shape.gshift);
+        let rp = [w.row(n).as_ptr(), w.row(n + 1).as_ptr()];
+        let sp = [
+            w.row_scales(n).as_ptr() as *const u16,
+            w.row_scales(n + 1).as_ptr() as *const u16,
+        ];
+        let mut acc = [[_mm256_setzero_ps(); 2]; 2];
+        macro_rules! step {
+            ($b:expr, $p:tt) => {{
+                let x = c.acts::<SPLIT>(a, 0, $b);
+                for r in 0..2 {
+                    if $p == 0 {
+                        // a hint: an address past the matrix does not fault
+                        _mm_prefetch::<_MM_HINT_T0>(rp[r].wrapping_add($b * 16 + PFD) as *const i8);
+                    }
+                    acc[r][$p] = c.block::<SPLIT>(rp[r], sp[r], $b, &x, acc[r][$p]);
+                }
+            }};
+        }
+        alternate!(w.shape.nb & !1, 2, step);
+        *out0 = c.finish(w, a, n, 0, acc[0]);
+        *out1 = c.finish(w, a, n + 1, 0, acc[1]);
+    }
+
     /// AVX-512 VNNI. Callers check that the CPU has avx512f/bw/vl/vnni.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
     pub unsafe fn rows512(
@@ -408,7 +624,7 @@ mod x86 {
     }
 }
 
-/// The kernel of `isa` (`Avx512Vnni` or `AvxVnni`) over one task's weight rows.
+/// The kernel of `isa` (`Avx512Vnni`, `AvxVnni` or `Avx2`) over one task's weight rows.
 ///
 /// # Safety
 /// The CPU must have the instruction set (`isa.supported()`), the scales and biases must be
@@ -427,7 +643,8 @@ pub unsafe fn rows(
     match isa {
         super::isa::Isa::Avx512Vnni => return x86::rows512(w, a, first, m, split, outs),
         super::isa::Isa::AvxVnni => return x86::rows256(w, a, first, m, split, outs),
+        super::isa::Isa::Avx2 => return x86::rows_avx2(w, a, first, m, split, outs),
         _ => {}
     }
-    unreachable!("the VNNI kernels run only where the CPU has VNNI")
+    unreachable!("the x86 kernels run only on x86-64 CPUs with AVX2")
 }
