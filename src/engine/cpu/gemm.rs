@@ -65,16 +65,18 @@ fn qgemm_tiled<const MR: usize, const NR: usize>(
             let (p0, p1) = (t * per_task, ((t + 1) * per_task).min(panels));
             let ws = kc + 16; // stride off a multiple of 4 KiB: the six row streams share no L1 set
             let mut wp = vec![0f32; MR * ws];
+            let mut sb = Vec::with_capacity(kc / gs);
             // (panel, activation panel, MR x NR) accumulators of this task
             let mut acc = vec![0f32; (p1 - p0) * mp * MR * NR];
             for k0 in (0..k).step_by(kc) {
                 let kl = kc.min(k - k0);
                 for p in p0..p1 {
                     let n0 = p * MR;
+                    prefetch_codes(w, n0 + MR..(n0 + 2 * MR).min(rows), k0, kl);
                     for r in 0..MR {
                         let dst = &mut wp[r * ws..r * ws + kl];
                         if n0 + r < rows {
-                            dequant(w, n0 + r, k0, dst);
+                            dequant(w, n0 + r, k0, dst, &mut sb);
                         } else {
                             dst.fill(0.0);
                         }
@@ -131,8 +133,34 @@ fn pack_x<const NR: usize>(x: &[f32], m: usize, k: usize, mp: usize) -> Vec<f32>
     xp
 }
 
-/// Dequantizes `dst.len()` values of weight row `n` from column `k0` (both whole groups).
-fn dequant(w: &QMatrix, n: usize, k0: usize, dst: &mut [f32]) {
+/// Asks for the codes of weight rows `rows`, columns `k0..k0 + kl`, ahead of their dequantizing:
+/// the next panel's rows arrive from DRAM while this panel's products run (without it, two
+/// threads wait on the weight stream: measured on a 3072x1024 matrix, 64 rows, weights not in
+/// L3, 4.6 ms a call; they had 2.9 ms with the weights in L3).
+fn prefetch_codes(w: &QMatrix, rows: std::ops::Range<usize>, k0: usize, kl: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let bits = w.params.bits;
+        let (b0, b1) = (k0 * bits / 8, (k0 + kl) * bits / 8);
+        for n in rows {
+            let row = &w.packed[n * w.row_bytes()..(n + 1) * w.row_bytes()];
+            for at in (b0..b1).step_by(64) {
+                // SAFETY: a prefetch hint of an address inside `row`; it never faults.
+                unsafe {
+                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                        row.as_ptr().add(at) as *const i8,
+                    )
+                };
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (w, rows, k0, kl);
+}
+
+/// Dequantizes `dst.len()` values of weight row `n` from column `k0` (both whole groups); `sb`
+/// is scratch for the groups' scales and biases.
+fn dequant(w: &QMatrix, n: usize, k0: usize, dst: &mut [f32], sb: &mut Vec<(f32, f32)>) {
     let (gs, bits) = (w.params.group_size, w.params.bits);
     let gpr = w.groups_per_row();
     let (scales, biases) = (w.scales.view(), w.biases.view());
@@ -140,21 +168,20 @@ fn dequant(w: &QMatrix, n: usize, k0: usize, dst: &mut [f32]) {
     let row = &w.packed[n * w.row_bytes()..(n + 1) * w.row_bytes()];
     let g0 = k0 / gs;
     let groups = dst.len() / gs;
-    let sb: Vec<(f32, f32)> = (g0..g0 + groups)
-        .map(|g| (scales.get(n * gpr + g), biases.get(n * gpr + g)))
-        .collect();
+    sb.clear();
+    sb.extend((g0..g0 + groups).map(|g| (scales.get(n * gpr + g), biases.get(n * gpr + g))));
     let bytes = &row[g0 * gb..(g0 + groups) * gb];
     if (bits == 4 || bits == 8) && gs % 8 == 0 {
         // SAFETY: available() (AVX2) holds; bytes holds groups * gs * bits / 8 values' codes,
         // dst groups * gs values and sb one pair per group.
-        unsafe { avx2::dequant_groups(bits, gs, bytes, &sb, dst) };
+        unsafe { avx2::dequant_groups(bits, gs, bytes, sb, dst) };
         return;
     }
     let mut codes = [0u8; 128];
     for ((o, g), &(s, b)) in dst
         .chunks_exact_mut(gs)
         .zip(bytes.chunks_exact(gb))
-        .zip(&sb)
+        .zip(sb.iter())
     {
         QMatrix::unpack_codes(bits, g, &mut codes[..gs]);
         for (d, &q) in o.iter_mut().zip(&codes[..gs]) {
