@@ -223,24 +223,27 @@ impl Linear {
         };
         profile::add(ls[0].part, t);
         let mut out = Vec::with_capacity(N);
-        for (l, y) in ls.iter().zip(ys) {
+        for (l, mut y) in ls.iter().zip(ys) {
             let n = y.len();
+            let t = Instant::now();
+            let host = l.lora.as_ref().is_some_and(|b| b.add_rows(&xs, &mut y));
             let y = Tensor::from_vec(y, (1, n), x.device())?;
             out.push(match &l.lora {
-                Some(b) => {
-                    let t = Instant::now();
-                    let y = b.add_to(x, y)?;
-                    profile::add(Part::Lora, t);
-                    y
-                }
-                None => y,
+                Some(b) if !host => b.add_to(x, y)?,
+                _ => y,
             });
+            if l.lora.is_some() {
+                profile::add(Part::Lora, t);
+            }
         }
         Ok(out.try_into().ok())
     }
 
     /// (L, in) -> (L, out)
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(y) = self.forward_host_lora(x)? {
+            return Ok(y);
+        }
         let t = Instant::now();
         let y = match &self.weight {
             Weight::Quant(q) => qmatmul(x, q, self.kernel)?,
@@ -257,6 +260,39 @@ impl Linear {
             }
             None => Ok(y),
         }
+    }
+}
+
+impl Linear {
+    /// A decode-sized CPU input to a quantized matrix with a LoRA branch: the matmul and the
+    /// branch on host slices, one tensor made at the end (`forward`'s arithmetic, without the
+    /// branch's copies in and out of tensors). `None` where that does not apply.
+    fn forward_host_lora(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        let (Weight::Quant(q), Some(b)) = (&self.weight, &self.lora) else {
+            return Ok(None);
+        };
+        if !x.device().is_cpu()
+            || x.dtype() != candle_core::DType::F32
+            || x.rank() != 2
+            || x.dim(1)? != q.cols
+        {
+            return Ok(None);
+        }
+        let m = x.dim(0)?;
+        if m > crate::engine::lora::HOST_MAX_ROWS {
+            return Ok(None);
+        }
+        let t = Instant::now();
+        let xs = x.flatten_all()?.to_vec1::<f32>()?;
+        let mut y = vec![0f32; m * q.rows];
+        crate::engine::cpu::quant::qmatmul(q, &xs, m, &mut y, self.kernel);
+        profile::add(self.part, t);
+        let t = Instant::now();
+        let host = b.add_rows(&xs, &mut y);
+        let y = Tensor::from_vec(y, (m, q.rows), x.device())?;
+        let y = if host { y } else { b.add_to(x, y)? };
+        profile::add(Part::Lora, t);
+        Ok(Some(y))
     }
 }
 

@@ -30,7 +30,7 @@ pub struct LoraBranch {
 
 /// Up to this many rows (decode, short chunks) the branch runs as host loops; a prompt's
 /// rows go to candle's multi-threaded matmul.
-const HOST_MAX_ROWS: usize = 4;
+pub(crate) const HOST_MAX_ROWS: usize = 4;
 
 impl LoraBranch {
     /// `a` [in, r] and `b` [r, out], f32.
@@ -47,6 +47,21 @@ impl LoraBranch {
     /// `scale * ((x @ a) @ b)` for `x` (L, in).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok((x.matmul(&self.a)?.matmul(&self.b)? * self.scale)?)
+    }
+
+    /// `y += scale * ((x @ a) @ b)` on host slices (`x` rows `in` wide, `y` the same rows `out`
+    /// wide), where the branch has its host copies and the rows are decode-sized; `false`
+    /// (nothing done) otherwise. The decode path calls it on the matmul's own output, before
+    /// that becomes a tensor: no copies in and out of tensors.
+    pub fn add_rows(&self, x: &[f32], y: &mut [f32]) -> bool {
+        let (Some(h), Ok(inp)) = (&self.host, self.a.dim(0)) else {
+            return false;
+        };
+        if inp == 0 || x.len() % inp != 0 || x.len() / inp > HOST_MAX_ROWS {
+            return false;
+        }
+        add_host(&h.0, &h.1, self.scale as f32, x, inp, y);
+        true
     }
 
     /// `y + scale * ((x @ a) @ b)`: on the CPU by `add_host`, else with candle ops.
