@@ -7,7 +7,8 @@
 # ~10 min the first time; PEERS=/path/to/peers overrides where that script is), writes a
 # random Qwen3-shaped Q4_0 GGUF (`--pure`: every matrix Q4_0, the closest byte count to MLX
 # 4-bit group 64) and the same shape as an mlx_lm directory (`bot bench --synthetic --save`),
-# then runs each twice, alternating: `llama-bench -t T -p 64 -n 64 -r 3` and
+# then runs each twice, alternating: `llama-bench -t T -p 64 -n 64 -d 0,64 -r 3` (its prompt
+# from an empty cache, its decode at a depth of 64: the context `bot bench` decodes in) and
 # `bot bench --threads T --prompt-tokens 64 --gen-tokens 64 --repeats 3` (default sampler,
 # default kernel: what users run). Prints one table row per run and the ratios bot / llama.cpp.
 # Env: THREADS (default: all cores), ROUNDS (2), BOT (default target/release/bot), WORK (/tmp/bot-peers).
@@ -31,9 +32,10 @@ for shape in "${SHAPES[@]}"; do
   [ -f "$g" ] || PYTHONPATH=$GGUF_PY "$PY" "$PEERS/make_random_gguf.py" --model "$shape" --type q4_0 --pure -o "$g" >&2
   [ -f "$d/config.json" ] || "$BOT" bench --synthetic "$shape" --save "$d" >&2
   for r in $(seq "$ROUNDS"); do
-    l=$("$LB" -m "$g" -t "$THREADS" -p 64 -n 64 -r 3 -o json)
-    lp=$(echo "$l" | python3 -c 'import json,sys; r=json.load(sys.stdin); print([x["avg_ts"] for x in r if x["n_prompt"]>0][0])')
-    ld=$(echo "$l" | python3 -c 'import json,sys; r=json.load(sys.stdin); print([x["avg_ts"] for x in r if x["n_gen"]>0][0])')
+    # the prompt from an empty cache; decode after those 64 tokens (`-d 64`), as `bot bench` does
+    l=$("$LB" -m "$g" -t "$THREADS" -p 64 -n 64 -d 0,64 -r 3 -o json)
+    lp=$(echo "$l" | python3 -c 'import json,sys; r=json.load(sys.stdin); print([x["avg_ts"] for x in r if x["n_prompt"]>0 and x["n_depth"]==0][0])')
+    ld=$(echo "$l" | python3 -c 'import json,sys; r=json.load(sys.stdin); print([x["avg_ts"] for x in r if x["n_gen"]>0 and x["n_depth"]==64][0])')
     b=$("$BOT" bench --model "$d" --threads "$THREADS" --prompt-tokens 64 --gen-tokens 64 --repeats 3 --json 2>/dev/null)
     bp=$(echo "$b" | python3 -c 'import json,sys; print(json.load(sys.stdin)["prefill_tok_s"])')
     bd=$(echo "$b" | python3 -c 'import json,sys; print(json.load(sys.stdin)["decode_tok_s"])')
