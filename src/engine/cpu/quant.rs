@@ -461,14 +461,12 @@ fn int_task(
             // slices hold one row of codes, scales and biases, `a` the activations of rows
             // `i..i + take`.
             match isa {
-                Isa::Avx2 | Isa::Avx512Vnni | Isa::AvxVnni => {
-                    unreachable!("x86 sets take the x86.rs kernels above")
-                }
                 Isa::Neon => unsafe { neon::q4_rows(row, sb, bb, &shape, a, i, take, split, out) },
                 Isa::NeonDot => unsafe {
                     neon::q4_rows_dot(row, sb, bb, &shape, a, i, take, split, out)
                 },
-                Isa::Scalar => {
+                // (the x86 sets returned above, through `x86.rs`)
+                Isa::Scalar | Isa::Avx2 | Isa::Avx512Vnni | Isa::AvxVnni => {
                     for (r, o) in out.iter_mut().enumerate() {
                         *o = int_row_scalar(&v, gs, n, a, i + r, 0..shape.nb)
                             + bias_term(&v, n, a, i + r);
