@@ -261,9 +261,7 @@ impl Linear {
             None => Ok(y),
         }
     }
-}
 
-impl Linear {
     /// A decode-sized CPU input to a quantized matrix with a LoRA branch: the matmul and the
     /// branch on host slices, one tensor made at the end (`forward`'s arithmetic, without the
     /// branch's copies in and out of tensors). `None` where that does not apply.

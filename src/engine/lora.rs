@@ -57,30 +57,27 @@ impl LoraBranch {
         let (Some(h), Ok(inp)) = (&self.host, self.a.dim(0)) else {
             return false;
         };
-        if inp == 0 || x.len() % inp != 0 || x.len() / inp > HOST_MAX_ROWS {
+        if inp == 0 || !x.len().is_multiple_of(inp) || x.len() / inp > HOST_MAX_ROWS {
             return false;
         }
         add_host(&h.0, &h.1, self.scale as f32, x, inp, y);
         true
     }
 
-    /// `y + scale * ((x @ a) @ b)`: on the CPU by `add_host`, else with candle ops.
+    /// `y + scale * ((x @ a) @ b)`: on the CPU by `add_rows`, else with candle ops.
     pub fn add_to(&self, x: &Tensor, y: Tensor) -> Result<Tensor> {
-        match &self.host {
-            Some(h)
-                if x.dtype() == DType::F32
-                    && y.dtype() == DType::F32
-                    && x.dim(0)? <= HOST_MAX_ROWS =>
-            {
-                let (l, inp) = x.dims2()?;
-                let xs = x.flatten_all()?.to_vec1::<f32>()?;
-                let mut ys = y.flatten_all()?.to_vec1::<f32>()?;
-                let out = ys.len() / l.max(1);
-                add_host(&h.0, &h.1, self.scale as f32, &xs, inp, &mut ys);
-                Ok(Tensor::from_vec(ys, (l, out), y.device())?)
+        if self.host.is_some()
+            && x.dtype() == DType::F32
+            && y.dtype() == DType::F32
+            && x.dims2()?.0 <= HOST_MAX_ROWS
+        {
+            let xs = x.flatten_all()?.to_vec1::<f32>()?;
+            let mut ys = y.flatten_all()?.to_vec1::<f32>()?;
+            if self.add_rows(&xs, &mut ys) {
+                return Ok(Tensor::from_vec(ys, y.shape(), y.device())?);
             }
-            _ => Ok((y + self.forward(x)?)?),
         }
+        Ok((y + self.forward(x)?)?)
     }
 }
 

@@ -45,7 +45,7 @@ impl Rows<'_> {
 const MR: usize = 4;
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+mod simd {
     use std::arch::x86_64::*;
 
     use super::{IntActs, Rows, MR};
@@ -281,7 +281,7 @@ mod x86 {
         unsafe fn block<const SPLIT: bool>(
             &self,
             rp: *const u8,
-            sp: *const u16,
+            sp: *const i16,
             b: usize,
             (x, dxv): &([__m256i; 4], __m256),
             acc: __m256,
@@ -289,7 +289,7 @@ mod x86 {
             let wv = _mm256_loadu_si256(rp.add(b * 16) as *const __m256i);
             let lo = _mm256_and_si256(wv, self.mask);
             let hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), self.mask);
-            let scale = |g: usize| f32::from_bits((sp.add(g).read_unaligned() as u32) << 16);
+            let scale = |g: usize| f32::from_bits((sp.add(g).read_unaligned() as u16 as u32) << 16);
             // groups of 64 and more share one scale across the pair of blocks
             let ws = if self.gsh > 0 {
                 _mm256_set1_ps(scale(b >> self.gsh))
@@ -348,193 +348,121 @@ mod x86 {
         }
     }
 
-    /// AVX2 + FMA. Callers check that the CPU has both.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn rows_avx2(
-        w: &Rows,
-        a: &IntActs,
-        first: usize,
-        m: usize,
-        split: bool,
-        outs: &mut [f32],
-    ) {
-        if m > 1 {
-            each_row!(row_avx2, w, a, first, m, split, outs);
-            return;
-        }
-        let mut j = 0;
-        while j + 2 <= outs.len() {
-            let (o0, o1) = outs[j..j + 2].split_at_mut(1);
-            if split {
-                pair_avx2::<true>(w, a, first + j, &mut o0[0], &mut o1[0]);
-            } else {
-                pair_avx2::<false>(w, a, first + j, &mut o0[0], &mut o1[0]);
-            }
-            j += 2;
-        }
-        if j < outs.len() {
-            if split {
-                row_avx2::<1, true>(w, a, first + j, 0, &mut outs[j..]);
-            } else {
-                row_avx2::<1, false>(w, a, first + j, 0, &mut outs[j..]);
-            }
-        }
-    }
-
-    /// Weight row `n` against activation rows `i0..i0 + R`.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    unsafe fn row_avx2<const R: usize, const SPLIT: bool>(
-        w: &Rows,
-        a: &IntActs,
-        n: usize,
-        i0: usize,
-        out: &mut [f32],
-    ) {
-        let c = Step256::new(w.shape.gshift);
-        let (rp, sp) = (w.row(n).as_ptr(), w.row_scales(n).as_ptr() as *const u16);
-        let mut acc = [[_mm256_setzero_ps(); 2]; R];
-        macro_rules! step {
-            ($b:expr, $p:tt) => {
-                for r in 0..R {
-                    let x = c.acts::<SPLIT>(a, i0 + r, $b);
-                    acc[r][$p] = c.block::<SPLIT>(rp, sp, $b, &x, acc[r][$p]);
+    /// A decode entry `$rows` over one task's weight rows, its row kernel `$row` (one weight row
+    /// against activation rows `i0..i0 + R`) and its pair kernel `$pair` (weight rows `n` and
+    /// `n + 1` against activation row 0, each activation load serving both, the codes
+    /// prefetched `PFD` ahead with one hint per 64 bytes), compiled for `$feat`, on steps of
+    /// `$w` blocks of the step type `$step`. The f32 sums of a pair are the row kernel's
+    /// exactly: a row gives the same bits in a pair or alone. (`$d` is a literal `$`, for the
+    /// metavariables of the `step!` macros defined inside.)
+    macro_rules! decode_kernels {
+        ($d:tt $feat:literal, $step:ident, $w:literal, $zero:expr, $rows:ident, $row:ident, $pair:ident) => {
+            #[target_feature(enable = $feat)]
+            pub unsafe fn $rows(
+                w: &Rows,
+                a: &IntActs,
+                first: usize,
+                m: usize,
+                split: bool,
+                outs: &mut [f32],
+            ) {
+                if m > 1 {
+                    each_row!($row, w, a, first, m, split, outs);
+                    return;
                 }
-            };
-        }
-        alternate!(w.shape.nb & !1, 2, step);
-        for r in 0..R {
-            out[r] = c.finish(w, a, n, i0 + r, acc[r]);
-        }
-    }
-
-    /// Weight rows `n` and `n + 1` against activation row 0, the codes prefetched ahead (one
-    /// hint per 64 bytes of each row: every other step). The f32 sums are `row_avx2::<1, _>`'s
-    /// exactly: a row gives the same bits in a pair or alone.
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn pair_avx2<const SPLIT: bool>(
-        w: &Rows,
-        a: &IntActs,
-        n: usize,
-        out0: &mut f32,
-        out1: &mut f32,
-    ) {
-        let c = Step256::new(w.shape.gshift);
-        let rp = [w.row(n).as_ptr(), w.row(n + 1).as_ptr()];
-        let sp = [
-            w.row_scales(n).as_ptr() as *const u16,
-            w.row_scales(n + 1).as_ptr() as *const u16,
-        ];
-        let mut acc = [[_mm256_setzero_ps(); 2]; 2];
-        macro_rules! step {
-            ($b:expr, $p:tt) => {{
-                let x = c.acts::<SPLIT>(a, 0, $b);
-                for r in 0..2 {
-                    if $p == 0 {
-                        // a hint: an address past the matrix does not fault
-                        _mm_prefetch::<_MM_HINT_T0>(rp[r].wrapping_add($b * 16 + PFD) as *const i8);
+                let mut j = 0;
+                while j + 2 <= outs.len() {
+                    let (o0, o1) = outs[j..j + 2].split_at_mut(1);
+                    if split {
+                        $pair::<true>(w, a, first + j, &mut o0[0], &mut o1[0]);
+                    } else {
+                        $pair::<false>(w, a, first + j, &mut o0[0], &mut o1[0]);
                     }
-                    acc[r][$p] = c.block::<SPLIT>(rp[r], sp[r], $b, &x, acc[r][$p]);
+                    j += 2;
                 }
-            }};
-        }
-        alternate!(w.shape.nb & !1, 2, step);
-        *out0 = c.finish(w, a, n, 0, acc[0]);
-        *out1 = c.finish(w, a, n + 1, 0, acc[1]);
-    }
-
-    /// AVX-512 VNNI. Callers check that the CPU has avx512f/bw/vl/vnni.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    pub unsafe fn rows512(
-        w: &Rows,
-        a: &IntActs,
-        first: usize,
-        m: usize,
-        split: bool,
-        outs: &mut [f32],
-    ) {
-        if m > 1 {
-            each_row!(row512, w, a, first, m, split, outs);
-            return;
-        }
-        // a decode row: weight rows two at a time, each activation load serving both
-        let mut j = 0;
-        while j + 2 <= outs.len() {
-            let (o0, o1) = outs[j..j + 2].split_at_mut(1);
-            if split {
-                pair512::<true>(w, a, first + j, &mut o0[0], &mut o1[0]);
-            } else {
-                pair512::<false>(w, a, first + j, &mut o0[0], &mut o1[0]);
+                if j < outs.len() {
+                    if split {
+                        $row::<1, true>(w, a, first + j, 0, &mut outs[j..]);
+                    } else {
+                        $row::<1, false>(w, a, first + j, 0, &mut outs[j..]);
+                    }
+                }
             }
-            j += 2;
-        }
-        if j < outs.len() {
-            if split {
-                row512::<1, true>(w, a, first + j, 0, &mut outs[j..]);
-            } else {
-                row512::<1, false>(w, a, first + j, 0, &mut outs[j..]);
-            }
-        }
-    }
 
-    /// Weight row `n` against activation rows `i0..i0 + R`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    #[inline]
-    unsafe fn row512<const R: usize, const SPLIT: bool>(
-        w: &Rows,
-        a: &IntActs,
-        n: usize,
-        i0: usize,
-        out: &mut [f32],
-    ) {
-        let c = Step512::new(w.shape.gshift);
-        let (rp, sp) = (w.row(n).as_ptr(), w.row_scales(n).as_ptr() as *const i16);
-        let mut acc = [[_mm512_setzero_ps(); 2]; R];
-        macro_rules! step {
-            ($b:expr, $p:tt) => {
+            #[target_feature(enable = $feat)]
+            #[inline]
+            unsafe fn $row<const R: usize, const SPLIT: bool>(
+                w: &Rows,
+                a: &IntActs,
+                n: usize,
+                i0: usize,
+                out: &mut [f32],
+            ) {
+                let c = $step::new(w.shape.gshift);
+                let (rp, sp) = (w.row(n).as_ptr(), w.row_scales(n).as_ptr() as *const i16);
+                let mut acc = [[$zero; 2]; R];
+                macro_rules! step {
+                    ($d b:expr, $d p:tt) => {
+                        for r in 0..R {
+                            let x = c.acts::<SPLIT>(a, i0 + r, $d b);
+                            acc[r][$d p] = c.block::<SPLIT>(rp, sp, $d b, &x, acc[r][$d p]);
+                        }
+                    };
+                }
+                alternate!(w.shape.nb / $w * $w, $w, step);
                 for r in 0..R {
-                    let x = c.acts::<SPLIT>(a, i0 + r, $b);
-                    acc[r][$p] = c.block::<SPLIT>(rp, sp, $b, &x, acc[r][$p]);
+                    out[r] = c.finish(w, a, n, i0 + r, acc[r]);
                 }
-            };
-        }
-        alternate!(w.shape.nb & !3, 4, step);
-        for r in 0..R {
-            out[r] = c.finish(w, a, n, i0 + r, acc[r]);
-        }
+            }
+
+            #[target_feature(enable = $feat)]
+            unsafe fn $pair<const SPLIT: bool>(
+                w: &Rows,
+                a: &IntActs,
+                n: usize,
+                out0: &mut f32,
+                out1: &mut f32,
+            ) {
+                let c = $step::new(w.shape.gshift);
+                let rp = [w.row(n).as_ptr(), w.row(n + 1).as_ptr()];
+                let sp = [
+                    w.row_scales(n).as_ptr() as *const i16,
+                    w.row_scales(n + 1).as_ptr() as *const i16,
+                ];
+                let mut acc = [[$zero; 2]; 2];
+                macro_rules! step {
+                    ($d b:expr, $d p:tt) => {{
+                        let x = c.acts::<SPLIT>(a, 0, $d b);
+                        for r in 0..2 {
+                            if $d b % 4 == 0 {
+                                // a hint: an address past the matrix does not fault
+                                _mm_prefetch::<_MM_HINT_T0>(
+                                    rp[r].wrapping_add($d b * 16 + PFD) as *const i8,
+                                );
+                            }
+                            acc[r][$d p] = c.block::<SPLIT>(rp[r], sp[r], $d b, &x, acc[r][$d p]);
+                        }
+                    }};
+                }
+                alternate!(w.shape.nb / $w * $w, $w, step);
+                *out0 = c.finish(w, a, n, 0, acc[0]);
+                *out1 = c.finish(w, a, n + 1, 0, acc[1]);
+            }
+        };
     }
 
-    /// Weight rows `n` and `n + 1` against activation row 0, the codes prefetched ahead. The
-    /// f32 sums are `row512::<1, _>`'s exactly: a row gives the same bits in a pair or alone.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    unsafe fn pair512<const SPLIT: bool>(
-        w: &Rows,
-        a: &IntActs,
-        n: usize,
-        out0: &mut f32,
-        out1: &mut f32,
-    ) {
-        let c = Step512::new(w.shape.gshift);
-        let rp = [w.row(n).as_ptr(), w.row(n + 1).as_ptr()];
-        let sp = [
-            w.row_scales(n).as_ptr() as *const i16,
-            w.row_scales(n + 1).as_ptr() as *const i16,
-        ];
-        let mut acc = [[_mm512_setzero_ps(); 2]; 2];
-        macro_rules! step {
-            ($b:expr, $p:tt) => {{
-                let x = c.acts::<SPLIT>(a, 0, $b);
-                for r in 0..2 {
-                    // a hint: an address past the matrix does not fault
-                    _mm_prefetch::<_MM_HINT_T0>(rp[r].wrapping_add($b * 16 + PFD) as *const i8);
-                    acc[r][$p] = c.block::<SPLIT>(rp[r], sp[r], $b, &x, acc[r][$p]);
-                }
-            }};
-        }
-        alternate!(w.shape.nb & !3, 4, step);
-        *out0 = c.finish(w, a, n, 0, acc[0]);
-        *out1 = c.finish(w, a, n + 1, 0, acc[1]);
-    }
+    // AVX2 + FMA; callers check that the CPU has both.
+    decode_kernels!($ "avx2,fma", Step256, 2, _mm256_setzero_ps(), rows_avx2, row_avx2, pair_avx2);
+    // AVX-512 VNNI; callers check that the CPU has avx512f/bw/vl/vnni.
+    decode_kernels!(
+        $ "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma",
+        Step512,
+        4,
+        _mm512_setzero_ps(),
+        rows512,
+        row512,
+        pair512
+    );
 
     /// AVX-VNNI (the VEX-encoded 256-bit `vpdpbusd`). Callers check avxvnni, avx2 and fma.
     #[target_feature(enable = "avxvnni,avx2,fma")]
@@ -641,9 +569,9 @@ pub unsafe fn rows(
 ) {
     #[cfg(target_arch = "x86_64")]
     match isa {
-        super::isa::Isa::Avx512Vnni => return x86::rows512(w, a, first, m, split, outs),
-        super::isa::Isa::AvxVnni => return x86::rows256(w, a, first, m, split, outs),
-        super::isa::Isa::Avx2 => return x86::rows_avx2(w, a, first, m, split, outs),
+        super::isa::Isa::Avx512Vnni => return simd::rows512(w, a, first, m, split, outs),
+        super::isa::Isa::AvxVnni => return simd::rows256(w, a, first, m, split, outs),
+        super::isa::Isa::Avx2 => return simd::rows_avx2(w, a, first, m, split, outs),
         _ => {}
     }
     unreachable!("the x86 kernels run only on x86-64 CPUs with AVX2")
