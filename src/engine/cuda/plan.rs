@@ -11,13 +11,15 @@ pub const QMV_MAX_ROWS: usize = 8;
 /// How one product `x (m, k) @ W^T (n, k)` runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Matmul {
-    /// One row at 4 bits: `kernel` (`qmv4*`) with `rows_per_warp` rows a warp, `warps` a block,
-    /// `smem` bytes of dynamic shared memory (x staged once a block) and `passes` passes of
-    /// rows; the launcher caps the grid at what fits on the GPU at once.
+    /// One row at 4 bits: `kernel` (`qmv4*`) with `rows_per_warp` rows a team of `k_warps`
+    /// warps (which split each row's K), `warps` a block, `smem` bytes of dynamic shared memory
+    /// (x staged once a block) and `passes` passes of rows; the launcher caps the grid at what
+    /// fits on the GPU at once.
     Decode4 {
         kernel: &'static str,
         rows_per_warp: usize,
         warps: usize,
+        k_warps: usize,
         smem: usize,
         passes: usize,
     },
@@ -66,44 +68,135 @@ pub fn matmul(p: &QParams, numerics: Numerics, workspace: usize) -> Matmul {
     }
 }
 
-/// The decode plan with the measured block shape for `n` rows.
+/// The decode plan with the measured block shape for an `n` x `k` matrix.
 pub fn decode4(n: usize, k: usize, numerics: Numerics) -> Matmul {
-    let (rows_per_warp, warps) = decode_block(n);
-    decode4_with(n, k, numerics, rows_per_warp, warps)
+    decode4_with(n, k, numerics, decode_block(n, k))
 }
 
 /// The decode plan with a given block shape (tests reach every kernel instance with it).
-pub fn decode4_with(
-    n: usize,
-    k: usize,
-    numerics: Numerics,
-    rows_per_warp: usize,
-    warps: usize,
-) -> Matmul {
-    let (kernel, smem) = match (numerics, rows_per_warp) {
-        (Numerics::Exact, 4) => ("qmv4_m1_r4", qmv4_smem(k)),
-        (Numerics::Exact, _) => ("qmv4_m1_r2", qmv4_smem(k)),
-        (_, 4) => ("qmv4q_m1_r4", qmv4q_smem(k)),
-        _ => ("qmv4q_m1_r2", qmv4q_smem(k)),
+pub fn decode4_with(n: usize, k: usize, numerics: Numerics, b: DecodeBlock) -> Matmul {
+    let smem = match numerics {
+        Numerics::Exact => qmv4_smem(k),
+        _ => qmv4q_smem(k),
     };
     Matmul::Decode4 {
-        kernel,
-        rows_per_warp,
-        warps,
+        kernel: b.kernel(numerics),
+        rows_per_warp: b.rows,
+        warps: b.warps,
+        k_warps: b.k_warps,
         smem,
-        passes: n.div_ceil(rows_per_warp * warps),
+        passes: n.div_ceil(b.rows * b.warps / b.k_warps),
     }
 }
 
-/// Rows a warp and warps a block of the decode kernel for a matrix of `n` rows (H100, Qwen3-8B,
-/// docs/performance.md session 7): two rows a warp and 16 warps, eight warps for q|k|v-sized
-/// matrices, four rows and eight warps for vocabulary heads.
-pub fn decode_block(n: usize) -> (usize, usize) {
-    match n {
-        n if n >= 65536 => (4, 8),
-        n if (6144..16384).contains(&n) => (2, 8),
-        _ => (2, 16),
+/// A decode block: `rows` rows a team of `k_warps` warps (each taking every `k_warps`-th
+/// 1024-code chunk of them), `warps` warps a block. Only shapes with a kernel instance exist.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeBlock {
+    rows: usize,
+    warps: usize,
+    k_warps: usize,
+}
+
+/// (rows, k_warps) of each `qmv4[q]_m1_*` instance in `qmatmul.cu`, the most warps a block of
+/// it may have (its `__launch_bounds__`), and its exact and fast kernels.
+const DECODE_INSTANCES: [((usize, usize), usize, &str, &str); 4] = [
+    ((2, 1), 16, "qmv4_m1_r2", "qmv4q_m1_r2"),
+    ((4, 1), 8, "qmv4_m1_r4", "qmv4q_m1_r4"),
+    ((2, 2), 32, "qmv4_m1_r2_k2", "qmv4q_m1_r2_k2"),
+    ((2, 4), 32, "qmv4_m1_r2_k4", "qmv4q_m1_r2_k4"),
+];
+
+impl DecodeBlock {
+    /// The shape, if `qmatmul.cu` has its instance and the block fits it (warps a multiple of
+    /// the team, no more than the instance takes).
+    pub fn new(rows: usize, warps: usize, k_warps: usize) -> Option<DecodeBlock> {
+        let instance = DECODE_INSTANCES
+            .iter()
+            .any(|(k, most, ..)| *k == (rows, k_warps) && warps <= *most);
+        (instance && warps.is_multiple_of(k_warps) && warps >= k_warps).then_some(DecodeBlock {
+            rows,
+            warps,
+            k_warps,
+        })
     }
+
+    fn kernel(&self, numerics: Numerics) -> &'static str {
+        let key = (self.rows, self.k_warps);
+        // `new` admits only instances, so the first entry is never taken for another
+        let (_, _, exact, fast) = DECODE_INSTANCES
+            .iter()
+            .find(|(k, ..)| *k == key)
+            .unwrap_or(&DECODE_INSTANCES[0]);
+        match numerics {
+            Numerics::Exact => exact,
+            _ => fast,
+        }
+    }
+}
+
+/// Every decode kernel's name, exact and fast (the fused step loads them all).
+pub fn decode_kernels() -> impl Iterator<Item = &'static str> {
+    DECODE_INSTANCES.iter().flat_map(|(_, _, e, f)| [*e, *f])
+}
+
+/// The decode block for an `n` x `k` matrix (H100, Qwen3-8B, docs/performance.md): four rows a
+/// warp and eight warps for vocabulary heads, eight warps of two rows for q|k|v-sized
+/// matrices; rows past 8192 codes long (down) two a team of two warps, 32 warps a block; two
+/// rows and 16 warps otherwise. `BOT_CUDA_DECODE_BLOCK` (see `parse_block_overrides`) replaces
+/// it for chosen shapes, for comparisons.
+pub fn decode_block(n: usize, k: usize) -> DecodeBlock {
+    let (rows, warps, k_warps) = match n {
+        n if n >= 65536 => (4, 8, 1),
+        n if (6144..16384).contains(&n) => (2, 8, 1),
+        _ if k > 8192 => (2, 32, 2),
+        _ => (2, 16, 1),
+    };
+    let measured = DecodeBlock {
+        rows,
+        warps,
+        k_warps,
+    };
+    block_overrides()
+        .iter()
+        .find(|o| o.0 == n && o.1 == k)
+        .map_or(measured, |o| o.2)
+}
+
+/// `BOT_CUDA_DECODE_BLOCK`, parsed once (a malformed value is reported and ignored).
+fn block_overrides() -> &'static [(usize, usize, DecodeBlock)] {
+    static CELL: std::sync::OnceLock<Vec<(usize, usize, DecodeBlock)>> = std::sync::OnceLock::new();
+    CELL.get_or_init(|| {
+        let Ok(v) = std::env::var("BOT_CUDA_DECODE_BLOCK") else {
+            return Vec::new();
+        };
+        parse_block_overrides(&v).unwrap_or_else(|e| {
+            eprintln!("BOT_CUDA_DECODE_BLOCK ignored: {e}");
+            Vec::new()
+        })
+    })
+}
+
+/// Decode block overrides, `NxK=ROWSxWARPSxKWARPS` separated by commas (e.g.
+/// `4096x12288=2x32x2`): matrices of N rows of K codes take that block.
+pub fn parse_block_overrides(v: &str) -> Result<Vec<(usize, usize, DecodeBlock)>, String> {
+    v.split(',')
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            let bad = || format!("`{e}`: expected NxK=ROWSxWARPSxKWARPS");
+            let (shape, block) = e.trim().split_once('=').ok_or_else(bad)?;
+            let nums = |s: &str| -> Result<Vec<usize>, String> {
+                s.split('x').map(|t| t.parse().map_err(|_| bad())).collect()
+            };
+            let (sh, bl) = (nums(shape)?, nums(block)?);
+            let (&[n, k], &[r, w, kw]) = (&sh[..], &bl[..]) else {
+                return Err(bad());
+            };
+            let b = DecodeBlock::new(r, w, kw)
+                .ok_or_else(|| format!("`{e}`: no decode kernel has that block"))?;
+            Ok((n, k, b))
+        })
+        .collect()
 }
 
 /// Whether a prompt product takes `qmm4_f16`: 4 bits, K a multiple of its 128-code step, groups
@@ -190,6 +283,7 @@ mod tests {
                 kernel: "qmv4q_m1_r2",
                 rows_per_warp: 2,
                 warps: 8,
+                k_warps: 1,
                 passes: 384,
                 smem,
             } => assert_eq!(smem, 4096 * 2 + 4096 / 32 * 8),
@@ -212,8 +306,68 @@ mod tests {
                 ..
             }
         ));
+        // down (12288 codes a row): teams of two warps
+        assert!(matches!(
+            matmul(&p(1, 4096, 12288, 4, 64, 0), fast, 0),
+            Matmul::Decode4 {
+                kernel: "qmv4q_m1_r2_k2",
+                warps: 32,
+                k_warps: 2,
+                passes: 128,
+                ..
+            }
+        ));
         // other widths have no decode kernel
         assert_eq!(matmul(&p(1, 4096, 4096, 8, 64, 0), fast, 0), Matmul::Rows);
+    }
+
+    #[test]
+    fn decode_blocks_exist_only_where_a_kernel_does() {
+        let b = DecodeBlock::new(2, 32, 2).unwrap();
+        match decode4_with(4096, 12288, Numerics::Fast, b) {
+            Matmul::Decode4 {
+                kernel: "qmv4q_m1_r2_k2",
+                passes,
+                ..
+            } => assert_eq!(passes, 4096 / 32),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            DecodeBlock::new(2, 16, 4).map(|b| b.kernel(Numerics::Exact)),
+            Some("qmv4_m1_r2_k4")
+        );
+        for (r, w, kw) in [
+            (4, 8, 2),
+            (3, 8, 1),
+            (2, 6, 4),
+            (2, 32, 1),
+            (4, 16, 1),
+            (2, 1, 2),
+        ] {
+            assert_eq!(DecodeBlock::new(r, w, kw), None, "{r}x{w}x{kw}");
+        }
+        // every instance's name is among the kernels the step loads
+        let names: Vec<&str> = decode_kernels().collect();
+        assert_eq!(names.len(), 2 * DECODE_INSTANCES.len());
+        for &((r, kw), most, ..) in DECODE_INSTANCES.iter() {
+            assert!(DecodeBlock::new(r, most, kw).is_some());
+            let b = DecodeBlock::new(r, 8 * kw, kw).unwrap();
+            for num in [Numerics::Exact, Numerics::Fast] {
+                assert!(names.contains(&b.kernel(num)), "{b:?} {num:?}");
+            }
+        }
+        let o = parse_block_overrides("4096x12288=2x32x2, 6144x4096=2x8x1").unwrap();
+        assert_eq!(o.len(), 2);
+        assert_eq!(o[0], (4096, 12288, b));
+        for bad in [
+            "4096=2x32x2",
+            "4096x4096=2x32",
+            "4096x4096=3x8x1",
+            "x",
+            "1x1=2x8x1x1",
+        ] {
+            assert!(parse_block_overrides(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

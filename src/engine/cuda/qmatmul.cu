@@ -103,19 +103,71 @@ __device__ __forceinline__ int q4_slot(int c) {
     return (c & ~255) + (w & 7) * 32 + (w >> 3);
 }
 
-// A warp's ROWS partial sums, reduced over the lanes, scaled by the norm's `rn`, through the
-// epilogue (and SwiGLU over (gate, up) pairs) into y.
+// Adds the LoRA term (B t, in the epilogue's segments) to each of a warp's ROWS sums: lane j
+// takes rank j (and j + 32, ...) of every row, so t and each row's run of B are read in one
+// round trip each, and a warp sum finishes each row (the generic epilogue takes the ranks one
+// at a time, in every lane; H100, rank 8 on 7 x 16 projections: decode's LoRA cost 9.4% ->
+// 7.4% with this).
 template <int ROWS>
-__device__ __forceinline__ void qmv4_finish(const float* acc, float rn, int row0, int lane, int N,
-                                            float* y, const Epi& e) {
-    float out[ROWS];
+__device__ __forceinline__ void qmv4_lora(float* v, int row0, int lane, int N, const Epi& e) {
+    float p[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) p[r] = 0.f;
+    for (int j = lane; j < e.r; j += 32) {
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            const int n = min(row0 + r, N - 1);
+            const int seg = e.pairs ? (n & 1) : (n >= e.seg1) + (n >= e.seg2);
+            p[r] = fmaf(e.lora_t[seg * e.r + j], e.lora_bt[(size_t)n * e.r + j], p[r]);
+        }
+    }
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
-        float v = acc[r];
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        out[r] = row0 + r < N ? epilogue(v * rn, 0, row0 + r, N, e) : 0.f;
+        for (int o = 16; o > 0; o >>= 1) p[r] += __shfl_xor_sync(0xffffffffu, p[r], o);
+        v[r] += p[r];
     }
+}
+
+// A team's ROWS partial sums, reduced over its lanes and then (KW > 1) over its KW warps in
+// member order, through shared memory `red` (32 * 4 floats), scaled by the norm's `rn`, through
+// the epilogue (and SwiGLU over (gate, up) pairs) into y by the team's first warp. Every thread
+// of the block calls it once a pass (it synchronizes the block when KW > 1).
+template <int ROWS, int KW>
+__device__ __forceinline__ void qmv4_finish(const float* acc, float rn, int row0, int lane,
+                                            int team, int member, int N, float* y, const Epi& e,
+                                            float* red) {
+    float v[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        v[r] = acc[r];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v[r] += __shfl_xor_sync(0xffffffffu, v[r], o);
+    }
+    if (KW > 1) {
+        if (member > 0 && lane == 0)
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) red[(team * (KW - 1) + member - 1) * ROWS + r] = v[r];
+        __syncthreads();
+        if (member == 0)
+#pragma unroll
+            for (int r = 0; r < ROWS; r++)
+#pragma unroll
+                for (int m = 1; m < KW; m++) v[r] += red[(team * (KW - 1) + m - 1) * ROWS + r];
+        // the next pass writes `red` again
+        __syncthreads();
+        if (member > 0) return;
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) v[r] *= rn;
+    Epi rest = e;
+    if (e.lora_t) {
+        qmv4_lora<ROWS>(v, row0, lane, N, e);
+        rest.lora_t = nullptr;
+    }
+    float out[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) out[r] = row0 + r < N ? epilogue(v[r], 0, row0 + r, N, rest) : 0.f;
     if (e.swiglu) {
 #pragma unroll
         for (int r = 0; r < ROWS; r += 2)
@@ -130,34 +182,52 @@ __device__ __forceinline__ void qmv4_finish(const float* acc, float rn, int row0
     }
 }
 
-// One step's weights of a warp's ROWS rows: 32 codes (16 bytes) of each, from code k; zeros
-// past the matrix.
+// One step of a warp's ROWS rows: 32 codes (16 bytes) of each from code k, and the scale and
+// bias of their group; zeros past the matrix. The group's scale and bias travel with the codes
+// (one step ahead, like them): fetched only when the step is computed, they cost a full DRAM
+// round trip every step however far ahead the codes were requested.
 template <int ROWS>
-__device__ __forceinline__ void qmv4_load(uint4* v, const uint8_t* __restrict__ w, int row, int k,
-                                          int N, int K) {
+struct Q4Step {
+    uint4 w[ROWS];
+    float s[ROWS], b[ROWS];
+};
+
+template <int ROWS>
+__device__ __forceinline__ void qmv4_load(Q4Step<ROWS>& st, const uint8_t* __restrict__ w,
+                                          const void* __restrict__ scales,
+                                          const void* __restrict__ biases, int row, int k, int N,
+                                          int K, int group_size, int sdtype) {
 #pragma unroll
-    for (int r = 0; r < ROWS; r++)
-        v[r] = row + r < N && k < K ? *(const uint4*)(w + (size_t)(row + r) * (K / 2) + k / 2)
-                                    : make_uint4(0u, 0u, 0u, 0u);
+    for (int r = 0; r < ROWS; r++) {
+        const bool in = row + r < N && k < K;
+        st.w[r] = in ? *(const uint4*)(w + (size_t)(row + r) * (K / 2) + k / 2)
+                     : make_uint4(0u, 0u, 0u, 0u);
+        const int g = (row + r) * (K / group_size) + k / group_size;
+        st.s[r] = in ? load_param(scales, g, sdtype) : 0.f;
+        st.b[r] = in ? load_param(biases, g, sdtype) : 0.f;
+    }
 }
 
-// The step after (row, k) in a warp's walk: 1024 codes on along its rows, or past their end the
-// first step of its next pass, `stride` rows on.
-__device__ __forceinline__ void qmv4_next(int& row, int& k, int K, int lane, int stride) {
-    k += 32 * 32;
+// The step after (row, k) in the walk of lane `tl` of a KW-warp team: 1024 * KW codes on along
+// its rows, or past their end the first step of its next pass, `stride` rows on.
+template <int KW>
+__device__ __forceinline__ void qmv4_next(int& row, int& k, int K, int tl, int stride) {
+    k += 1024 * KW;
     if (k >= K) {
-        k = lane * 32;
+        k = tl * 32;
         row += stride;
     }
 }
 
-// ROWS rows per warp; a block's warps cover a pass of ROWS * warps rows. Grid: up to one block a
-// pass, 32 * warps threads (warps <= 32); with fewer blocks each takes several passes (it then
-// stages x once for all of them, and loads its next pass's first step while finishing one).
+// ROWS rows per team of KW warps (KW > 1 splits long rows: down's 12288 codes are 12 steps of
+// one warp, 6 of two, so twice the loads are in flight); a block's teams cover a pass of
+// ROWS * warps / KW rows. Grid: up to one block a pass, 32 * warps threads (warps <= 32); with
+// fewer blocks each takes several passes (it then stages x once for all of them, and loads
+// its next pass's first step while finishing one).
 // Dynamic shared memory: K rounded up to 1024, times 4 bytes, plus 4 bytes per 32 codes (the
 // sums). With e.swiglu the rows come in (gate, up) pairs and y receives silu(gate) * up, one
 // value per pair.
-template <int ROWS>
+template <int ROWS, int KW>
 __device__ void qmv4(const float* __restrict__ x, const uint8_t* __restrict__ w,
                      const void* __restrict__ scales, const void* __restrict__ biases, float* y,
                      int N, int K, int group_size, int sdtype, const float* __restrict__ norm_w,
@@ -165,12 +235,16 @@ __device__ void qmv4(const float* __restrict__ x, const uint8_t* __restrict__ w,
     extern __shared__ float4 xsm[];
     float* xsums = (float*)(xsm + (K + 1023) / 1024 * 256);
     __shared__ float part[32];
+    __shared__ float red[32 * 4];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+    // a team of KW warps shares ROWS rows, its lane tl taking every KW-th 1024-code chunk
+    const int team = warp / KW, member = warp % KW, tl = member * 32 + lane;
     // a block may take several passes of nw * ROWS rows (the grid strides), staging x once
-    const int rpb = nw * ROWS, passes = (N + rpb - 1) / rpb;
+    const int rpb = nw / KW * ROWS, passes = (N + rpb - 1) / rpb;
     // the first step's weights are requested before x is staged, to overlap the two
-    uint4 wv[ROWS];
-    qmv4_load<ROWS>(wv, w, blockIdx.x * rpb + warp * ROWS, lane * 32, N, K);
+    Q4Step<ROWS> cur;
+    qmv4_load<ROWS>(cur, w, scales, biases, blockIdx.x * rpb + team * ROWS, tl * 32, N, K,
+                    group_size, sdtype);
     pdl_wait();
     // x is staged once, in one pass: times the norm's weight, pre-divided by 16^j for the
     // nibble position it meets, with the sum of each lane-step's 32 values beside it; the
@@ -209,18 +283,17 @@ __device__ void qmv4(const float* __restrict__ x, const uint8_t* __restrict__ w,
         for (int i = 0; i < nw; i++) t += part[i];
         rn = rsqrtf(t / (float)K + eps);
     }
-    const int groups = K / group_size;
     for (int pass = blockIdx.x; pass < passes; pass += gridDim.x) {
-        const int row0 = pass * rpb + warp * ROWS;
+        const int row0 = pass * rpb + team * ROWS;
         float acc[ROWS];
 #pragma unroll
         for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
-        for (int k = lane * 32; k < K; k += 32 * 32) {
-            // the next step's weights in flight while this one is computed
-            uint4 nv[ROWS];
+        for (int k = tl * 32; k < K; k += 1024 * KW) {
+            // the next step's codes, scales and biases in flight while this one is computed
+            Q4Step<ROWS> nxt;
             int nr = row0, kn = k;
-            qmv4_next(nr, kn, K, lane, gridDim.x * rpb);
-            qmv4_load<ROWS>(nv, w, nr, kn, N, K);
+            qmv4_next<KW>(nr, kn, K, tl, gridDim.x * rpb);
+            qmv4_load<ROWS>(nxt, w, scales, biases, nr, kn, N, K, group_size, sdtype);
             float xs[32];
             const float xsum = xsums[k / 32];
             const float4* xb = xsm + (k & ~1023) / 4 + lane;
@@ -234,7 +307,7 @@ __device__ void qmv4(const float* __restrict__ x, const uint8_t* __restrict__ w,
             }
 #pragma unroll
             for (int r = 0; r < ROWS; r++) {
-                const unsigned int wd[4] = {wv[r].x, wv[r].y, wv[r].z, wv[r].w};
+                const unsigned int wd[4] = {cur.w[r].x, cur.w[r].y, cur.w[r].z, cur.w[r].w};
                 float p0 = 0.f, p1 = 0.f;
 #pragma unroll
                 for (int u = 0; u < 4; u++) {
@@ -249,15 +322,11 @@ __device__ void qmv4(const float* __restrict__ x, const uint8_t* __restrict__ w,
                     p1 = fmaf(nib(hi, 0x0F00u), xu[6], p1);
                     p1 = fmaf(nib(hi, 0xF000u), xu[7], p1);
                 }
-                const int n = min(row0 + r, N - 1);
-                const int g = n * groups + k / group_size;
-                const float s = load_param(scales, g, sdtype);
-                const float b = load_param(biases, g, sdtype);
-                acc[r] = fmaf(s, p0 + p1, fmaf(b, xsum, acc[r]));
-                wv[r] = nv[r];
+                acc[r] = fmaf(cur.s[r], p0 + p1, fmaf(cur.b[r], xsum, acc[r]));
             }
+            cur = nxt;
         }
-        qmv4_finish<ROWS>(acc, rn, row0, lane, N, y, e);
+        qmv4_finish<ROWS, KW>(acc, rn, row0, lane, team, member, N, y, e, red);
     }
 }
 
@@ -272,7 +341,7 @@ __device__ void qmv4(const float* __restrict__ x, const uint8_t* __restrict__ w,
 // reads are conflict-free; each holds the int16 pairs (x0,x2) (x4,x6) (x1,x3) (x5,x7) of its 8
 // codes, the order in which a word's low and high nibbles meet them. Then (sx, sum x) per
 // lane-step, a float2.
-template <int ROWS>
+template <int ROWS, int KW>
 __device__ void qmv4q(const float* __restrict__ x, const uint8_t* __restrict__ w,
                       const void* __restrict__ scales, const void* __restrict__ biases, float* y,
                       int N, int K, int group_size, int sdtype, const float* __restrict__ norm_w,
@@ -280,11 +349,15 @@ __device__ void qmv4q(const float* __restrict__ x, const uint8_t* __restrict__ w
     extern __shared__ uint4 xq[];
     float2* xsc = (float2*)(xq + (K + 1023) / 1024 * 128);
     __shared__ float part[32];
+    __shared__ float red[32 * 4];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+    // a team of KW warps shares ROWS rows, its lane tl taking every KW-th 1024-code chunk
+    const int team = warp / KW, member = warp % KW, tl = member * 32 + lane;
     // a block may cover several passes of nw * ROWS rows (grid-stride): x is staged once
-    const int rpb = nw * ROWS, passes = (N + rpb - 1) / rpb;
-    uint4 wv[ROWS];
-    qmv4_load<ROWS>(wv, w, blockIdx.x * rpb + warp * ROWS, lane * 32, N, K);
+    const int rpb = nw / KW * ROWS, passes = (N + rpb - 1) / rpb;
+    Q4Step<ROWS> cur;
+    qmv4_load<ROWS>(cur, w, scales, biases, blockIdx.x * rpb + team * ROWS, tl * 32, N, K,
+                    group_size, sdtype);
     pdl_wait();
     // a thread stages 8 values (a unit); a lane-step's 32 are 4 consecutive threads. Two units
     // a thread are loaded before either is used, halving the round trips to L2.
@@ -351,24 +424,23 @@ __device__ void qmv4q(const float* __restrict__ x, const uint8_t* __restrict__ w
         for (int i = 0; i < nw; i++) t += part[i];
         rn = rsqrtf(t / (float)K + eps);
     }
-    const int groups = K / group_size;
     for (int pass = blockIdx.x; pass < passes; pass += gridDim.x) {
-        const int row0 = pass * rpb + warp * ROWS;
+        const int row0 = pass * rpb + team * ROWS;
         float acc[ROWS];
 #pragma unroll
         for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
-        for (int k = lane * 32; k < K; k += 32 * 32) {
-            // the next step's weights in flight while this one is computed
-            uint4 nv[ROWS];
+        for (int k = tl * 32; k < K; k += 1024 * KW) {
+            // the next step's codes, scales and biases in flight while this one is computed
+            Q4Step<ROWS> nxt;
             int nr = row0, kn = k;
-            qmv4_next(nr, kn, K, lane, gridDim.x * rpb);
-            qmv4_load<ROWS>(nv, w, nr, kn, N, K);
+            qmv4_next<KW>(nr, kn, K, tl, gridDim.x * rpb);
+            qmv4_load<ROWS>(nxt, w, scales, biases, nr, kn, N, K, group_size, sdtype);
             const uint4* xb = xq + (k >> 10) * 128 + lane;
             const uint4 xw[4] = {xb[0], xb[32], xb[64], xb[96]};
             const float2 sc = xsc[k / 32];
 #pragma unroll
             for (int r = 0; r < ROWS; r++) {
-                const unsigned int wd[4] = {wv[r].x, wv[r].y, wv[r].z, wv[r].w};
+                const unsigned int wd[4] = {cur.w[r].x, cur.w[r].y, cur.w[r].z, cur.w[r].w};
                 int d = 0;
 #pragma unroll
                 for (int u = 0; u < 4; u++) {
@@ -379,33 +451,34 @@ __device__ void qmv4q(const float* __restrict__ x, const uint8_t* __restrict__ w
                     d = __dp2a_lo((int)xw[u].z, hi, d);
                     d = __dp2a_hi((int)xw[u].w, hi, d);
                 }
-                const int n = min(row0 + r, N - 1);
-                const int g = n * groups + k / group_size;
-                const float s = load_param(scales, g, sdtype);
-                const float b = load_param(biases, g, sdtype);
-                acc[r] = fmaf(s * sc.x, (float)d, fmaf(b, sc.y, acc[r]));
-                wv[r] = nv[r];
+                acc[r] = fmaf(cur.s[r] * sc.x, (float)d, fmaf(cur.b[r], sc.y, acc[r]));
             }
+            cur = nxt;
         }
-        qmv4_finish<ROWS>(acc, rn, row0, lane, N, y, e);
+        qmv4_finish<ROWS, KW>(acc, rn, row0, lane, team, member, N, y, e, red);
     }
 }
 
-#define QMV4(R)                                                                                   \
-    extern "C" __global__ void qmv4_m1_r##R(const float* x, const uint8_t* w, const void* scales, \
-                                            const void* biases, float* y, int N, int K,           \
-                                            int group_size, int sdtype, const float* norm_w,      \
-                                            float eps, Epi e) {                                   \
-        qmv4<R>(x, w, scales, biases, y, N, K, group_size, sdtype, norm_w, eps, e);               \
+// Instances: qmv4[q]_m1_r<ROWS> with one warp to a team, qmv4[q]_m1_r<ROWS>_k<KW> with KW; at
+// most MAXT threads a block, MINB blocks of that size an SM (so that the registers of 2 x 512
+// or 1 x 1024 threads fit; plan.rs's DECODE_INSTANCES knows the limits).
+#define QMV4(R, KW, NAME, MAXT, MINB)                                                             \
+    extern "C" __global__ void __launch_bounds__(MAXT, MINB)                                     \
+        qmv4_m1_##NAME(const float* x, const uint8_t* w, const void* scales, const void* biases, \
+                       float* y, int N, int K, int group_size, int sdtype, const float* norm_w,  \
+                       float eps, Epi e) {                                                        \
+        qmv4<R, KW>(x, w, scales, biases, y, N, K, group_size, sdtype, norm_w, eps, e);           \
     }                                                                                             \
-    extern "C" __global__ void qmv4q_m1_r##R(const float* x, const uint8_t* w,                    \
-                                             const void* scales, const void* biases, float* y,    \
-                                             int N, int K, int group_size, int sdtype,            \
-                                             const float* norm_w, float eps, Epi e) {             \
-        qmv4q<R>(x, w, scales, biases, y, N, K, group_size, sdtype, norm_w, eps, e);              \
+    extern "C" __global__ void __launch_bounds__(MAXT, MINB)                                     \
+        qmv4q_m1_##NAME(const float* x, const uint8_t* w, const void* scales, const void* biases, \
+                        float* y, int N, int K, int group_size, int sdtype, const float* norm_w, \
+                        float eps, Epi e) {                                                       \
+        qmv4q<R, KW>(x, w, scales, biases, y, N, K, group_size, sdtype, norm_w, eps, e);          \
     }
-QMV4(2)
-QMV4(4)
+QMV4(2, 1, r2, 512, 2)
+QMV4(4, 1, r4, 256, 1)
+QMV4(2, 2, r2_k2, 1024, 1)
+QMV4(2, 4, r2_k4, 1024, 1)
 
 #define QMM_BM 64
 #define QMM_BN 64

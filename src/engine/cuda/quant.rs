@@ -92,7 +92,7 @@ fn f32_input<'a>(
 }
 
 /// The decode kernel on one row of x, as `plan` (a `Matmul::Decode4`) says; `grid` caps the
-/// blocks (each then takes several passes, as in the fused step).
+/// blocks (each then takes several passes, as in the fused step); `epi` is its epilogue.
 fn qmv4_fwd(
     dev: &CudaDevice,
     g: &GpuQMatrix,
@@ -100,6 +100,7 @@ fn qmv4_fwd(
     plan: Matmul,
     x: &CudaView<'_, f32>,
     grid: Option<usize>,
+    epi: Epi,
 ) -> candle_core::Result<CudaSlice<f32>> {
     let Matmul::Decode4 {
         kernel,
@@ -128,7 +129,7 @@ fn qmv4_fwd(
     b.arg(&g.scales);
     b.arg(&g.biases);
     b.arg(&y);
-    let (no_norm, eps, epi) = (0u64, 0f32, Epi::default());
+    let (no_norm, eps) = (0u64, 0f32);
     for d in [&p.n, &p.k, &p.group_size, &p.sdtype] {
         b.arg(d);
     }
@@ -166,7 +167,7 @@ pub fn qmatmul_fwd(
         ))
     };
     if let Matmul::Decode4 { .. } = plan {
-        return wrap(qmv4_fwd(dev, &g, &p, plan, &x, None)?);
+        return wrap(qmv4_fwd(dev, &g, &p, plan, &x, None, Epi::default())?);
     }
     // SAFETY: every element is written by the kernels below.
     let y = unsafe { dev.alloc::<f32>(m * n)? };
@@ -377,6 +378,7 @@ mod tests {
     use crate::engine::quant::op::{qmatmul, QGather};
     use crate::engine::quant::testutil::random_qmatrix;
     use crate::engine::weights::Dtype;
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
     use candle_core::{Device, Tensor};
     use rand::{Rng, SeedableRng};
 
@@ -487,8 +489,8 @@ mod tests {
 
     /// The fused step launches no more decode blocks than fit on the GPU, so each block takes
     /// several passes of rows and loads its next pass's first step while it finishes the
-    /// current one. Every instance (2 or 4 rows a warp, exact or fast) and block shape the
-    /// plan can pick, with 1, 3 and 7 blocks and with a block a pass, on passes whose last
+    /// current one. Every instance (2 or 4 rows a warp, teams of 1, 2 or 4 warps splitting K,
+    /// exact or fast) and block shape the plan can pick, with 1, 3 and 7 blocks and with a block a pass, on passes whose last
     /// one only some warps fill, gives the reference's result.
     #[test]
     fn decode_kernels_with_fewer_blocks_than_passes() {
@@ -497,7 +499,8 @@ mod tests {
             unreachable!("a CUDA device")
         };
         let mut rng = rand::rngs::StdRng::seed_from_u64(9);
-        for (rows, cols) in [(300, 2048), (298, 1024)] {
+        // 3072 codes: a team of two or four warps splits three chunks unevenly
+        for (rows, cols) in [(300, 2048), (298, 1024), (150, 3072)] {
             let w = random_qmatrix(rows, cols, 4, 64, Dtype::BF16, 17);
             let g = resident(&w, cd).unwrap();
             let p = QParams::new(&w, 1);
@@ -505,16 +508,80 @@ mod tests {
             let want = w.matmul_reference(&x, 1);
             let xs = cd.clone_htod(&x).unwrap();
             for (kernel, tol) in [(Numerics::Exact, 1e-5), (Numerics::Fast, 3e-3)] {
-                for (rows_w, warps) in [(4, 4), (2, 4), (2, 8), (2, 16), (4, 8)] {
-                    let plan = plan::decode4_with(rows, cols, kernel, rows_w, warps);
+                for (rows_w, warps, k_warps) in [
+                    (4, 4, 1),
+                    (2, 4, 1),
+                    (2, 8, 1),
+                    (2, 16, 1),
+                    (4, 8, 1),
+                    (2, 8, 2),
+                    (2, 32, 2),
+                    (2, 16, 4),
+                ] {
+                    let block = plan::DecodeBlock::new(rows_w, warps, k_warps).unwrap();
+                    let plan = plan::decode4_with(rows, cols, kernel, block);
                     for grid in [Some(1), Some(3), Some(7), None] {
-                        let y = qmv4_fwd(cd, &g, &p, plan, &xs.slice(..), grid).unwrap();
+                        let y = qmv4_fwd(cd, &g, &p, plan, &xs.slice(..), grid, Epi::default())
+                            .unwrap();
                         let got = cd.clone_dtoh(&y).unwrap();
                         let e = rel_err(&got, &want);
                         assert!(
                             e <= tol,
                             "{rows}x{cols} {plan:?} grid {grid:?}: rel err {e:.2e} > {tol:.0e}"
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The decode kernels' LoRA epilogue (lanes split the ranks, then a warp sum): `B t` added
+    /// to each row, two adapters of rank 8 over two output segments and, interleaved, over
+    /// even and odd rows; ranks past 32 (40) take a lane twice; every instance and block shape.
+    #[test]
+    fn decode_kernels_add_the_lora_term() {
+        let dev = Device::new_cuda(0).expect("a `cuda` build's tests need a GPU");
+        let Device::Cuda(cd) = &dev else {
+            unreachable!("a CUDA device")
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+        let (rows, cols) = (300usize, 3072usize);
+        let w = random_qmatrix(rows, cols, 4, 64, Dtype::BF16, 19);
+        let g = resident(&w, cd).unwrap();
+        let p = QParams::new(&w, 1);
+        let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1f32..1.0)).collect();
+        let xs = cd.clone_htod(&x).unwrap();
+        let stream = cd.cuda_stream();
+        for (r, pairs) in [(8usize, false), (8, true), (40, false)] {
+            let t: Vec<f32> = (0..2 * r).map(|_| rng.random_range(-1f32..1.0)).collect();
+            let bt: Vec<f32> = (0..rows * r)
+                .map(|_| rng.random_range(-0.5f32..0.5))
+                .collect();
+            let mut want = w.matmul_reference(&x, 1);
+            for (n, y) in want.iter_mut().enumerate() {
+                let seg = if pairs { n & 1 } else { usize::from(n >= 150) };
+                *y += (0..r).map(|j| t[seg * r + j] * bt[n * r + j]).sum::<f32>();
+            }
+            let (ts, bts) = (cd.clone_htod(&t).unwrap(), cd.clone_htod(&bt).unwrap());
+            let epi = Epi {
+                lora_t: ts.device_ptr(&stream).0,
+                lora_bt: bts.device_ptr(&stream).0,
+                r: r as i32,
+                rtot: 2 * r as i32,
+                seg1: 150,
+                seg2: rows as i32,
+                pairs: pairs as i32,
+                ..Epi::default()
+            };
+            for (kernel, tol) in [(Numerics::Exact, 1e-5), (Numerics::Fast, 3e-3)] {
+                for (rows_w, warps, k_warps) in [(2, 16, 1), (4, 8, 1), (2, 32, 2), (2, 16, 4)] {
+                    let block = plan::DecodeBlock::new(rows_w, warps, k_warps).unwrap();
+                    let plan = plan::decode4_with(rows, cols, kernel, block);
+                    for grid in [Some(3), None] {
+                        let y = qmv4_fwd(cd, &g, &p, plan, &xs.slice(..), grid, epi).unwrap();
+                        let e = rel_err(&cd.clone_dtoh(&y).unwrap(), &want);
+                        let label = format!("rank {r} pairs {pairs} {plan:?} grid {grid:?}");
+                        assert!(e <= tol, "{label}: rel err {e:.2e} > {tol:.0e}");
                     }
                 }
             }

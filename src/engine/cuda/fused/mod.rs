@@ -59,12 +59,10 @@ const STEP_MODULE: &str = "bot_step";
 /// Blocks a head's keys are split over in decode attention (32 heads alone fill a quarter of
 /// an H100's SMs).
 const ATT_SPLITS: usize = 4;
-const QMATMUL_KERNELS: [&str; 11] = [
+/// The kernels of `qmatmul.cu` the step launches, besides the decode kernels
+/// (`plan::decode_kernels`).
+const QMATMUL_KERNELS: [&str; 7] = [
     "qmv_f32",
-    "qmv4_m1_r2",
-    "qmv4_m1_r4",
-    "qmv4q_m1_r2",
-    "qmv4q_m1_r4",
     "qmm4_f16",
     "x_to_f16p",
     "qmm_tf32",
@@ -136,7 +134,7 @@ impl FusedQwen3 {
             theta: c.rope_theta,
         };
         let mut funcs = HashMap::new();
-        for f in QMATMUL_KERNELS {
+        for f in QMATMUL_KERNELS.into_iter().chain(plan::decode_kernels()) {
             funcs.insert(
                 f,
                 dev.get_or_load_custom_func(f, QMODULE, QPTX)?
@@ -199,7 +197,7 @@ impl FusedQwen3 {
             .max()
             .unwrap_or(0);
         let widest = widest.max(d.h);
-        for name in QMATMUL_KERNELS.iter().filter(|f| f.starts_with("qmv4")) {
+        for name in plan::decode_kernels() {
             let smem = if name.starts_with("qmv4q") {
                 qmv4q_smem(widest)
             } else {
