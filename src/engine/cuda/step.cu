@@ -358,10 +358,13 @@ extern "C" __global__ void swiglu_f32(const float* __restrict__ gu, float* __res
 extern "C" __global__ void lora_a_f32(const float* __restrict__ x, const float* __restrict__ at,
                                       float* __restrict__ t, int K, int R,
                                       const float* __restrict__ norm_w, float eps) {
-    PDL_ENTRY();
+    pdl_trigger();
     __shared__ float ps[8], pss[8];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int j = blockIdx.x, m = blockIdx.y;
+    // A is no earlier kernel's output: L2 fetches its row while x is still being computed
+    for (int i = threadIdx.x * 32; i < K; i += blockDim.x * 32) prefetch_line(at + (size_t)j * K + i);
+    pdl_wait();
     const float4* xr = (const float4*)(x + (size_t)m * K);
     const float4* ar = (const float4*)(at + (size_t)j * K);
     const float4* nr = (const float4*)norm_w;

@@ -184,9 +184,13 @@ fn norm_rope_cache_and_attention_match_their_references_at_every_head_size() {
     let dev = gpu();
     let mut rng = rand::rngs::StdRng::seed_from_u64(2);
     let (nh, nkv, eps) = (4usize, 2usize, 1e-6f32);
-    for hd in [32usize, 64, 128, 256] {
-        // 70 cached positions: keys span three 32-key chunks and all four decode splits
-        let (pos, m, cap) = (70usize, 5usize, 128usize);
+    // 70 cached positions: keys span three 32-key chunks and all four decode splits; 600: five
+    // chunks a split
+    for (hd, pos, cap) in [32usize, 64, 128, 256]
+        .into_iter()
+        .flat_map(|hd| [(hd, 70usize, 128usize), (hd, 600, 1024)])
+    {
+        let m = 5usize;
         let width = (nh + 2 * nkv) * hd;
         let (cos, sin) = tables(hd, cap);
         let (qnw, knw) = (random(&mut rng, hd, 1.5), random(&mut rng, hd, 1.5));
@@ -251,15 +255,19 @@ fn norm_rope_cache_and_attention_match_their_references_at_every_head_size() {
             .chunks(width)
             .flat_map(|r| r[..nh * hd].to_vec())
             .collect();
-        assert_close(&format!("hd {hd}: q after norm and RoPE"), &got_q, &want_q);
+        assert_close(
+            &format!("hd {hd} pos {pos}: q after norm and RoPE"),
+            &got_q,
+            &want_q,
+        );
         let live = (pos + m) * nkv * hd;
         assert_close(
-            &format!("hd {hd}: k cache"),
+            &format!("hd {hd} pos {pos}: k cache"),
             &down(&dev, &kcs)[..live],
             &kr[..live],
         );
         assert_close(
-            &format!("hd {hd}: v cache"),
+            &format!("hd {hd} pos {pos}: v cache"),
             &down(&dev, &vcs)[..live],
             &vr[..live],
         );
@@ -287,7 +295,11 @@ fn norm_rope_cache_and_attention_match_their_references_at_every_head_size() {
                 want.extend(attend_ref(q, &kr, &vr, nkv, h / (nh / nkv), pos + r));
             }
         }
-        assert_close(&format!("hd {hd}: {name}"), &down(&dev, &out), &want);
+        assert_close(
+            &format!("hd {hd} pos {pos}: {name}"),
+            &down(&dev, &out),
+            &want,
+        );
 
         // one decode step at position pos + m, raw q|k|v in: norms, RoPE, cache write inside
         let p = pos + m;
@@ -335,7 +347,7 @@ fn norm_rope_cache_and_attention_match_their_references_at_every_head_size() {
                 want.extend(attend_ref(&q, &kr, &vr, nkv, h / (nh / nkv), p));
             }
             // a replay (as a captured graph does) finds the split counters reset
-            let label = format!("hd {hd}: {name}, launch {replay}");
+            let label = format!("hd {hd} pos {pos}: {name}, launch {replay}");
             assert_close(&label, &down(&dev, &out), &want);
             let live = (p + 1) * nkv * hd;
             assert_close(
