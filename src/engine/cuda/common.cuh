@@ -93,9 +93,14 @@ struct Epi {
     int r, rtot, seg1, seg2, pairs, swiglu;
 };
 
+// Which part's adapter (0, 1 or 2: t's r-wide slices) output n takes.
+__device__ __forceinline__ int lora_seg(int n, const Epi& e) {
+    return e.pairs ? (n & 1) : (n >= e.seg1) + (n >= e.seg2);
+}
+
 __device__ __forceinline__ float epilogue(float v, int m, int n, int N, const Epi& e) {
     if (e.lora_t) {
-        const int seg = e.pairs ? (n & 1) : (n >= e.seg1) + (n >= e.seg2);
+        const int seg = lora_seg(n, e);
         const float* t = e.lora_t + (size_t)m * e.rtot + seg * e.r;
         const float* b = e.lora_bt + (size_t)n * e.r;
         float s = 0.f;

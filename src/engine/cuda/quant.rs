@@ -490,8 +490,9 @@ mod tests {
     /// The fused step launches no more decode blocks than fit on the GPU, so each block takes
     /// several passes of rows and loads its next pass's first step while it finishes the
     /// current one. Every instance (2 or 4 rows a warp, teams of 1, 2 or 4 warps splitting K,
-    /// exact or fast) and block shape the plan can pick, with 1, 3 and 7 blocks and with a block a pass, on passes whose last
-    /// one only some warps fill, gives the reference's result.
+    /// exact or fast) and block shape the plan can pick, with 1, 3 and 7 blocks and with a
+    /// block a pass, on passes whose last one only some warps fill, gives the reference's
+    /// result.
     #[test]
     fn decode_kernels_with_fewer_blocks_than_passes() {
         let dev = Device::new_cuda(0).expect("a `cuda` build's tests need a GPU");
