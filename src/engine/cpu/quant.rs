@@ -211,6 +211,7 @@ fn exact(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32]) {
 /// split into even (`e`) and odd (`o`) positions, matching the low and high nibbles of MLX's
 /// bytes; with `split`, each code is `128·h + l` (`h` signed, `l` in 0..127), else only `l`
 /// (an int8 code). One scale per block and the exact f32 sum of each quantization group.
+/// With `split`, the whole codes also as i16 in the order of AVX2's 16-bit multiply (`w16`).
 pub struct IntActs {
     pub k: usize,
     pub split: bool,
@@ -218,6 +219,11 @@ pub struct IntActs {
     pub ol: Vec<i8>,
     pub eh: Vec<i8>,
     pub oh: Vec<i8>,
+    /// With `split`: per row (stride `k16()`), per pair of blocks `(2p, 2p + 1)`, four vectors
+    /// `t` of 16 i16: lanes 0..8 hold codes `4j + t` of block `2p`, lanes 8..16 those of block
+    /// `2p + 1`. Lane `j` of a 16-bit word of MLX's codes holds codes `4j..4j + 4` in its four
+    /// nibbles, so masks and shifts alone line the weights up with these (no shuffles).
+    pub w16: Vec<i16>,
     pub d: Vec<f32>,
     /// `d` with each value repeated 4 times: one f32 lane per i32 lane of the AVX2 sums.
     pub dx: Vec<f32>,
@@ -236,9 +242,11 @@ impl IntActs {
             eh: vec![0; half],
             oh: vec![0; half],
             d: vec![0.0; m * nb],
+            w16: vec![0; if split { m * nb.div_ceil(2) * 64 } else { 0 }],
             dx: Vec::new(),
             gsum: vec![0.0; m * (k / gs)],
         };
+        let k16 = a.k16();
         let qmax = if split { 16383.0 } else { 127.0 };
         for i in 0..m {
             let xr = &x[i * k..(i + 1) * k];
@@ -258,6 +266,8 @@ impl IntActs {
                         if split {
                             hi[at] = (q >> 7) as i8;
                             lo[at] = (q & 127) as i8;
+                            let at16 = i * k16 + b / 2 * 64 + pos % 4 * 16 + b % 2 * 8 + pos / 4;
+                            a.w16[at16] = q as i16;
                         } else {
                             lo[at] = q as i8;
                         }
@@ -273,6 +283,11 @@ impl IntActs {
         }
         a.dx = a.d.iter().flat_map(|&d| [d; 4]).collect();
         a
+    }
+
+    /// The row stride of `w16`: whole pairs of blocks.
+    pub fn k16(&self) -> usize {
+        self.k.div_ceil(64) * 64
     }
 
     /// The integer code of value `j` of block `b` of row `i` as a plain i32.
