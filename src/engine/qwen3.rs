@@ -601,11 +601,9 @@ impl Qwen3 {
             return Ok(());
         }
         self.cached.truncate(len);
-        let row = self.cfg.num_key_value_heads * self.cfg.head_dim;
         for l in &mut self.layers {
             let a = &mut l.self_attn;
-            a.host_kv.k.truncate(len * row);
-            a.host_kv.v.truncate(len * row);
+            a.host_kv.truncate(len, self.cfg.head_dim);
             let (k, v) = (a.kv.k()?, a.kv.v()?); // (Hkv, T, D)
             a.kv.reset();
             if let (Some(k), Some(v), true) = (k, v, len > 0) {
