@@ -1,5 +1,6 @@
 //! The 4-bit integer decode kernel of `quant.rs` (`Numerics::Fast` and `Int8`) on x86-64: AVX2
-//! (`maddubs` then `madd`, two 32-value blocks a step), and VNNI's `vpdpbusd` (unsigned 8-bit
+//! (two 32-value blocks a step: `maddubs` then `madd` on 8-bit activations, `madd` on whole
+//! 16-bit ones with 15-bit activations), and VNNI's `vpdpbusd` (unsigned 8-bit
 //! times signed 8-bit, four products a lane summed into i32 in one instruction): AVX-512 (Ice
 //! Lake and later Xeons, Zen 4 and 5) on 64 bytes of codes, four blocks, a step; AVX-VNNI (Alder
 //! Lake and later desktop parts) on 32 bytes. The integer sums are exactly `int_row_scalar`'s
@@ -10,7 +11,8 @@
 //! activation load serves both, and prefetches the task's stream ahead (AVX2 and AVX-512). Per step and weight row: the codes are split into low and high
 //! nibbles (even and odd positions, as `IntActs` splits the activations); each 128-bit lane is
 //! one block, whose four i32 lanes are scaled by `s_g · d_b` into f32 and accumulated. With
-//! 15-bit activations (`split`) the high parts' sum is added times 128.
+//! 15-bit activations (`split`) the VNNI kernels add the high parts' sum times 128; AVX2 takes
+//! four codes out of each 16-bit word instead (`Step256`).
 
 use super::quant::{IntActs, RowShape};
 
