@@ -1,6 +1,8 @@
 //! The on-device sampler on CUDA: `cuda/sample.cu` (the logic of `kernels/sample.h`, PTX from
-//! build.rs), one block of 1024 threads per token. `sample_fwd` runs it on a logits row candle
-//! computed (`SampleOp`); the fused step launches the same kernel inside its graph.
+//! build.rs), either spread over a grid of up to one block an SM (`sample_grid_f32`, the
+//! default) or in one block of 1024 threads (`sample_f32`, the kernel Metal shares).
+//! `sample_fwd` runs it on a logits row candle computed (`SampleOp`); the fused step launches
+//! the same kernels inside its graph.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
@@ -14,15 +16,41 @@ pub(crate) const MODULE: &str = "bot_sample";
 pub(crate) const KERNEL: &str = "sample_f32";
 /// Threads of the one block (the kernel's `__launch_bounds__`).
 pub(crate) const THREADS: usize = 1024;
+/// The grid sampler and its threads a block (`GRID_THREADS` in sample.cu).
+pub(crate) const GRID_KERNEL: &str = "sample_grid_f32";
+pub(crate) const GRID_THREADS: usize = 256;
+/// Bytes of the grid sampler's scratch (`GridScratch`, which sample.cu asserts fits). Zeroed
+/// once when allocated; every run leaves it zeroed.
+pub(crate) const GRID_SCRATCH_BYTES: usize = 131_072;
+
+/// Blocks of the grid sampler for `vocab` logits on `sms` multiprocessors: about 1024 logits
+/// a block, never more blocks than SMs (its barriers need every block resident at once) nor
+/// than the scratch holds per-block sums for.
+pub(crate) fn grid_blocks(vocab: usize, sms: usize) -> usize {
+    vocab.div_ceil(1024).min(sms).clamp(1, 1024)
+}
+
+/// The multiprocessors of the GPU a stream runs on.
+pub(crate) fn multiprocessors(
+    stream: &candle_core::cuda_backend::cudarc::driver::CudaStream,
+) -> candle_core::Result<usize> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+    Ok(stream
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .w()? as usize)
+}
 
 // SAFETY: `KernelParams` is `#[repr(C)]` plain data laid out as `struct SampleParams`.
 unsafe impl DeviceRepr for KernelParams {}
 
-/// The sampler (`sample::op::SampleOp`) on a CUDA logits row starting at element `o0`.
+/// The sampler (`sample::op::SampleOp`) on a CUDA logits row starting at element `o0`, over
+/// a grid or (`single_block`) in one block.
 pub(crate) fn sample_fwd(
     params: &KernelParams,
     state: &SampleState,
     want_keep: bool,
+    single_block: bool,
     s: &CudaStorage,
     o0: usize,
     vocab: usize,
@@ -34,10 +62,12 @@ pub(crate) fn sample_fwd(
     let state = dev.clone_htod(&state.to_bytes())?;
     let n = kernel_out_len(vocab, want_keep);
     let out = dev.alloc_zeros::<u8>(n)?;
+    let kernel = if single_block { KERNEL } else { GRID_KERNEL };
     let func = dev
-        .get_or_load_custom_func(KERNEL, MODULE, PTX)?
+        .get_or_load_custom_func(kernel, MODULE, PTX)?
         .into_cuda_function();
     let stream = dev.cuda_stream();
+    let scratch = dev.alloc_zeros::<u8>(if single_block { 8 } else { GRID_SCRATCH_BYTES })?;
     let (head, keep) = (out.slice(0..12), out.slice(12..n));
     let (v, want_keep) = (vocab as u32, want_keep as u32);
     let mut b = stream.launch_builder(&func);
@@ -49,13 +79,21 @@ pub(crate) fn sample_fwd(
     b.arg(&head);
     b.arg(&keep);
     b.arg(&want_keep);
+    if !single_block {
+        b.arg(&scratch);
+    }
+    let (blocks, threads) = match single_block {
+        true => (1, THREADS),
+        false => (grid_blocks(vocab, multiprocessors(&stream)?), GRID_THREADS),
+    };
     let cfg = LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (THREADS as u32, 1, 1),
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (threads as u32, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: the arguments match sample_f32's signature; `work` holds `vocab` floats, `out`
-    // 12 bytes plus one per token when the mask is asked for.
+    // SAFETY: the arguments match sample_f32's (or sample_grid_f32's) signature; `work` holds
+    // `vocab` floats, `out` 12 bytes plus one per token when the mask is asked for, `scratch`
+    // a zeroed GridScratch; the grid is at most one block an SM.
     unsafe { b.launch(cfg) }.w()?;
     Ok((
         CudaStorage::wrap_cuda_slice(out, dev.clone()),
@@ -70,8 +108,22 @@ mod tests {
     use candle_core::Device;
 
     #[test]
-    fn cuda_sampler_keeps_the_reference_set() {
+    fn cuda_grid_sampler_keeps_the_reference_set() {
         let dev = Device::new_cuda(0).expect("a `cuda` build's tests need a GPU");
-        sample::testutil::check_device_sampler(&dev);
+        sample::testutil::check_device_sampler(&dev, |_| {});
+    }
+
+    #[test]
+    fn cuda_block_sampler_keeps_the_reference_set() {
+        let dev = Device::new_cuda(0).expect("a `cuda` build's tests need a GPU");
+        sample::testutil::check_device_sampler(&dev, |op| op.single_block = true);
+    }
+
+    #[test]
+    fn grid_blocks_stay_resident() {
+        assert_eq!(super::grid_blocks(7, 132), 1);
+        assert_eq!(super::grid_blocks(5000, 132), 5);
+        assert_eq!(super::grid_blocks(151_936, 132), 132);
+        assert_eq!(super::grid_blocks(151_936, 2000), 149);
     }
 }

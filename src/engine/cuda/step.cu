@@ -340,6 +340,95 @@ ATTENTION(64)
 ATTENTION(128)
 ATTENTION(256)
 
+// Prompt attention, a block per head and ATT_WARPS query rows (a warp each): the keys and
+// values the rows need are staged in shared memory 32 at a time, once for all the block's rows
+// (attention_f32 has every row read them from L2 on its own: 64 prompt rows read a head's cache
+// 64 times). Query row m (position pos + m) attends to positions 0..=pos+m; a lane scores one key
+// of a chunk (keys padded to HD + 1 floats: a lane a bank), the warp updates its running max and
+// sum, then lane d accumulates dims d, d + 32, ... of the values. Grid (n_heads, ceil(M / 8)).
+// Not for head_dim 256 (two chunks would not fit the static shared memory).
+template <int HD>
+__device__ __forceinline__ void attention_prompt(const float* __restrict__ qkv, const float* __restrict__ kc,
+                                                 const float* __restrict__ vc, float* __restrict__ out,
+                                                 const int* __restrict__ pos, int M, int nh, int nkv, float scale) {
+    constexpr int DPL = HD / 32;
+    __shared__ float ks[32][HD + 1];
+    __shared__ __align__(16) float vs[32][HD];
+    __shared__ float qs[ATT_WARPS][HD];
+    const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int m0 = blockIdx.y * ATT_WARPS, m = m0 + warp;
+    const bool active = m < M;
+    const int p0 = pos[0];
+    const int kend = p0 + min(M, m0 + ATT_WARPS);  // keys any row of the block attends to
+    const int keys = p0 + m + 1;                     // this warp's row's
+    const int kvh = h / (nh / nkv);
+    if (active) {
+        const float* q = qkv + ((size_t)m * (nh + 2 * nkv) + h) * HD;
+        for (int d = lane; d < HD; d += 32) qs[warp][d] = q[d] * scale;
+    }
+    float acc[DPL];
+#pragma unroll
+    for (int d = 0; d < DPL; d++) acc[d] = 0.f;
+    float mx = -INFINITY, l = 0.f;
+    for (int j0 = 0; j0 < kend; j0 += 32) {
+        const int nk = min(32, kend - j0);
+        __syncthreads();  // the previous chunk is consumed (and, the first time, qs written)
+        for (int e = threadIdx.x; e < nk * (HD / 4); e += blockDim.x) {
+            const int jj = e / (HD / 4), d = (e % (HD / 4)) * 4;
+            const size_t off = ((size_t)(j0 + jj) * nkv + kvh) * HD + d;
+            const float4 k = *(const float4*)(kc + off);
+            *(float4*)&vs[jj][d] = *(const float4*)(vc + off);
+            ks[jj][d] = k.x;
+            ks[jj][d + 1] = k.y;
+            ks[jj][d + 2] = k.z;
+            ks[jj][d + 3] = k.w;
+        }
+        __syncthreads();
+        if (!active || j0 >= keys) continue;
+        const int j = j0 + lane;
+        float s = -INFINITY;
+        if (j < keys) {
+            float d0 = 0.f, d1 = 0.f;
+#pragma unroll
+            for (int d = 0; d < HD; d += 2) {
+                d0 = fmaf(qs[warp][d], ks[lane][d], d0);
+                d1 = fmaf(qs[warp][d + 1], ks[lane][d + 1], d1);
+            }
+            s = d0 + d1;
+        }
+        // lane 0's key exists (j0 < keys), so the new max is finite
+        const float nm = fmaxf(mx, warp_max(s));
+        const float e = j < keys ? expf(s - nm) : 0.f;
+        const float corr = expf(mx - nm);
+        l = l * corr + warp_sum(e);
+#pragma unroll
+        for (int d = 0; d < DPL; d++) acc[d] *= corr;
+        const int nj = min(32, keys - j0);
+        for (int jj = 0; jj < nj; jj++) {
+            const float pj = __shfl_sync(0xffffffffu, e, jj);
+#pragma unroll
+            for (int d = 0; d < DPL; d++) acc[d] = fmaf(pj, vs[jj][lane + 32 * d], acc[d]);
+        }
+        mx = nm;
+    }
+    if (active) {
+        float* o = out + ((size_t)m * nh + h) * HD;
+#pragma unroll
+        for (int d = 0; d < DPL; d++) o[lane + 32 * d] = acc[d] / l;
+    }
+}
+
+#define ATTENTION_PROMPT(HD)                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention_prompt_hd##HD(             \
+        const float* qkv, const float* kc, const float* vc, float* out, const int* pos, int M, int nh, \
+        int nkv, float scale) {                                                                       \
+        PDL_ENTRY();                                                                                  \
+        attention_prompt<HD>(qkv, kc, vc, out, pos, M, nh, nkv, scale);                               \
+    }
+ATTENTION_PROMPT(32)
+ATTENTION_PROMPT(64)
+ATTENTION_PROMPT(128)
+
 // act (M, I) = silu(gate) * up, from gu rows of interleaved (gate, up) pairs.
 extern "C" __global__ void swiglu_f32(const float* __restrict__ gu, float* __restrict__ act, int I,
                                       int total) {

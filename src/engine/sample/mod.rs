@@ -608,7 +608,11 @@ pub(crate) mod testutil {
     /// `SampleOp` on `dev` keeps exactly the reference's tokens and draws the reference's token
     /// (or, at a near-tie of Gumbel scores, one whose score is within rounding of it), for every
     /// case of `logit_cases` and `param_cases`, at the test vocabularies and Qwen3's.
-    pub fn check_device_sampler(dev: &candle_core::Device) {
+    /// `configure` picks a backend's variant of the op (e.g. CUDA's one-block kernel).
+    pub fn check_device_sampler(
+        dev: &candle_core::Device,
+        configure: impl Fn(&mut crate::engine::sample::op::SampleOp),
+    ) {
         use crate::engine::sample::op::{split_output, SampleOp};
         for vocab in [7usize, 512, 5000, 151_936] {
             let mut cases = logit_cases(vocab, vocab as u64);
@@ -627,6 +631,7 @@ pub(crate) mod testutil {
                         let d = Draw { seed: 9, counter };
                         let mut op = SampleOp::new(p, SampleState::new(d, &recent));
                         op.want_keep = true;
+                        configure(&mut op);
                         let bytes = t.apply_op1_no_bwd(&op).unwrap().to_vec1::<u8>().unwrap();
                         let (w, mask) = split_output(&bytes);
                         let got = decode_kernel_output(w).unwrap();
@@ -795,7 +800,7 @@ mod tests {
 
     #[test]
     fn the_sampler_op_on_the_cpu_agrees_with_the_reference() {
-        check_device_sampler(&candle_core::Device::Cpu);
+        check_device_sampler(&candle_core::Device::Cpu, |_| {});
     }
 
     /// The MSL sampler (`kernels/sample.h` as Metal compiles it) under the C++ shim keeps the

@@ -16,6 +16,8 @@ pub struct SampleOp {
     pub state: SampleState,
     /// Also return the kept-token mask (u8 per token, after the three words): for tests.
     pub want_keep: bool,
+    /// CUDA only: the one-block kernel instead of the grid one (for tests and comparisons).
+    pub single_block: bool,
     pub cpu: Mutex<CpuSampler>,
 }
 
@@ -25,6 +27,7 @@ impl SampleOp {
             params,
             state,
             want_keep: false,
+            single_block: false,
             cpu: Mutex::new(CpuSampler::new()),
         }
     }
@@ -112,6 +115,7 @@ impl CustomOp1 for SampleOp {
             &self.params,
             &self.state,
             self.want_keep,
+            self.single_block,
             s,
             o0,
             vocab,

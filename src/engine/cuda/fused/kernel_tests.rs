@@ -190,7 +190,8 @@ fn norm_rope_cache_and_attention_match_their_references_at_every_head_size() {
         .into_iter()
         .flat_map(|hd| [(hd, 70usize, 128usize), (hd, 600, 1024)])
     {
-        let m = 5usize;
+        // 13 rows: two blocks of attention_prompt's 8, the second part full
+        let m = 13usize;
         let width = (nh + 2 * nkv) * hd;
         let (cos, sin) = tables(hd, cap);
         let (qnw, knw) = (random(&mut rng, hd, 1.5), random(&mut rng, hd, 1.5));
@@ -300,6 +301,31 @@ fn norm_rope_cache_and_attention_match_their_references_at_every_head_size() {
             &down(&dev, &out),
             &want,
         );
+        if hd <= 128 {
+            let name = format!("attention_prompt_hd{hd}");
+            let out = dev.alloc_zeros::<f32>(m * nh * hd).unwrap();
+            let func = dev
+                .get_or_load_custom_func(&name, STEP_MODULE, STEP_PTX)
+                .unwrap();
+            let mi = m as i32;
+            let mut b = func.builder();
+            b.arg(&qkvs)
+                .arg(&kcs)
+                .arg(&vcs)
+                .arg(&out)
+                .arg(&poss)
+                .arg(&mi)
+                .arg(&nhi)
+                .arg(&nkvi)
+                .arg(&scale);
+            // SAFETY: the arguments match attention_prompt_hd*'s signature; buffers sized above.
+            unsafe { b.launch(cfg((nh, m.div_ceil(8)), 256)) }.unwrap();
+            assert_close(
+                &format!("hd {hd} pos {pos}: {name}"),
+                &down(&dev, &out),
+                &want,
+            );
+        }
 
         // one decode step at position pos + m, raw q|k|v in: norms, RoPE, cache write inside
         let p = pos + m;

@@ -100,21 +100,30 @@ impl FusedQwen3 {
         self.launch("qk_norm_rope_cache", (d.nh + d.nkv, rows), block, &a)
     }
 
-    /// Prompt attention of `rows` rows over the cache (after `qk_norm_rope_cache`).
+    /// Prompt attention of `rows` rows over the cache (after `qk_norm_rope_cache`): eight rows
+    /// a block sharing the keys they stage (`attention_prompt`), or, at head_dim 256 or with
+    /// `BOT_CUDA_PROMPT_ATTENTION=row` (for comparisons), a block a row (`attention_f32`).
     pub(super) fn attention(&self, io: &AttentionIo, pos: u64, rows: usize) -> Result<()> {
         let d = self.d;
-        let a = [
+        let (nh, nkv, scale) = (Arg::I(d.nh as i32), Arg::I(d.nkv as i32), Arg::F(d.scale()));
+        let (qkv, kc, vc, out, pos) = (
             Arg::P(io.qkv),
             Arg::P(io.kc),
             Arg::P(io.vc),
             Arg::P(io.out),
             Arg::P(pos),
-            Arg::I(d.nh as i32),
-            Arg::I(d.nkv as i32),
-            Arg::F(d.scale()),
-        ];
-        let f = attention_kernel(d.hd, false);
-        self.launch_as("attention", f, (d.nh, rows), 256, 0, &a)
+        );
+        match prompt_attention_kernel(d.hd) {
+            Some(f) => {
+                let a = [qkv, kc, vc, out, pos, Arg::I(rows as i32), nh, nkv, scale];
+                self.launch_as("attention", f, (d.nh, rows.div_ceil(8)), 256, 0, &a)
+            }
+            None => {
+                let a = [qkv, kc, vc, out, pos, nh, nkv, scale];
+                let f = attention_kernel(d.hd, false);
+                self.launch_as("attention", f, (d.nh, rows), 256, 0, &a)
+            }
+        }
     }
 
     /// One decode row: q/k norms, RoPE and the cache write inside, keys split over
@@ -157,6 +166,20 @@ impl FusedQwen3 {
 }
 
 /// The attention kernel instance for a head size (`unsupported` admits only these).
+/// `attention_prompt`'s instance for `hd`, where there is one and it is not switched off.
+fn prompt_attention_kernel(hd: usize) -> Option<&'static str> {
+    static ROW: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let row =
+        *ROW.get_or_init(|| std::env::var("BOT_CUDA_PROMPT_ATTENTION").is_ok_and(|v| v == "row"));
+    match hd {
+        _ if row => None,
+        32 => Some("attention_prompt_hd32"),
+        64 => Some("attention_prompt_hd64"),
+        128 => Some("attention_prompt_hd128"),
+        _ => None,
+    }
+}
+
 fn attention_kernel(hd: usize, decode: bool) -> &'static str {
     match (hd, decode) {
         (32, false) => "attention_f32_hd32",

@@ -70,9 +70,12 @@ const QMATMUL_KERNELS: [&str; 7] = [
     "qmm_reduce",
     "qgather_f32",
 ];
-const STEP_KERNELS: [&str; 12] = [
+const STEP_KERNELS: [&str; 15] = [
     "rms_norm_f32",
     "qk_norm_rope_cache",
+    "attention_prompt_hd32",
+    "attention_prompt_hd64",
+    "attention_prompt_hd128",
     "attention_f32_hd32",
     "attention_f32_hd64",
     "attention_f32_hd128",
@@ -108,6 +111,10 @@ pub struct FusedQwen3 {
     /// The sampler's per-token inputs (`SampleState`) and its three output words.
     sample_state: CudaSlice<u8>,
     sample_out: CudaSlice<u32>,
+    /// Blocks of the grid sampler (`None`: the one-block kernel, `BOT_CUDA_SAMPLER=block`)
+    /// and its scratch, which every run leaves zeroed.
+    sample_grid: Option<usize>,
+    sample_scratch: CudaSlice<u8>,
     /// While profiling: an event pair around every launch (which then runs eagerly).
     profile: Option<RefCell<Vec<(&'static str, CudaEvent, CudaEvent)>>>,
     /// Fallbacks to report (`Qwen3::take_notes`).
@@ -148,11 +155,13 @@ impl FusedQwen3 {
                     .into_cuda_function(),
             );
         }
-        funcs.insert(
-            sample::KERNEL,
-            dev.get_or_load_custom_func(sample::KERNEL, sample::MODULE, sample::PTX)?
-                .into_cuda_function(),
-        );
+        for f in [sample::KERNEL, sample::GRID_KERNEL] {
+            funcs.insert(
+                f,
+                dev.get_or_load_custom_func(f, sample::MODULE, sample::PTX)?
+                    .into_cuda_function(),
+            );
+        }
         let vec = |t: &candle_core::Tensor| -> Result<CudaSlice<f32>> {
             let v = t
                 .flatten_all()?
@@ -273,6 +282,11 @@ impl FusedQwen3 {
             graph_sampler: None,
             sample_state: dev.alloc_zeros::<u8>(std::mem::size_of::<SampleState>())?,
             sample_out: dev.alloc_zeros::<u32>(3)?,
+            sample_grid: match std::env::var("BOT_CUDA_SAMPLER").as_deref() {
+                Ok("block") => None,
+                _ => Some(sample::grid_blocks(d.vocab, sms)),
+            },
+            sample_scratch: dev.alloc_zeros::<u8>(sample::GRID_SCRATCH_BYTES)?,
             profile: None,
             notes: Vec::new(),
         })

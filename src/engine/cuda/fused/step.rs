@@ -296,27 +296,29 @@ impl FusedQwen3 {
         }
     }
 
-    /// `sample_f32` on the last row of logits (one block; `kernels/sample.h`).
+    /// The sampler on the last row of logits: `sample_grid_f32` over `sample_grid` blocks, or
+    /// `sample_f32` in one block (`kernels/sample.h`).
     pub(super) fn sample(&self, p: KernelParams) -> Result<()> {
         let st = &self.stream;
         let logits = ptr(&self.bufs.logits, st);
         let out = ptr(&self.sample_out, st);
-        self.launch_as(
-            "sample",
-            sample::KERNEL,
-            (1, 1),
-            sample::THREADS,
-            0,
-            &[
-                Arg::P(logits),
-                Arg::P(logits),
-                Arg::I(self.d.vocab as i32),
-                Arg::S(p),
-                Arg::P(ptr(&self.sample_state, st)),
-                Arg::P(out),
-                Arg::P(out),
-                Arg::I(0),
-            ],
-        )
+        let mut args = vec![
+            Arg::P(logits),
+            Arg::P(logits),
+            Arg::I(self.d.vocab as i32),
+            Arg::S(p),
+            Arg::P(ptr(&self.sample_state, st)),
+            Arg::P(out),
+            Arg::P(out),
+            Arg::I(0),
+        ];
+        match self.sample_grid {
+            Some(blocks) => {
+                args.push(Arg::P(ptr(&self.sample_scratch, st)));
+                let f = sample::GRID_KERNEL;
+                self.launch_as("sample", f, (blocks, 1), sample::GRID_THREADS, 0, &args)
+            }
+            None => self.launch_as("sample", sample::KERNEL, (1, 1), sample::THREADS, 0, &args),
+        }
     }
 }
