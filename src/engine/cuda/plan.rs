@@ -206,19 +206,40 @@ pub fn f16_prompt(p: &QParams) -> bool {
     p.bits == 4 && p.k % 128 == 0 && p.group_size % 32 == 0 && p.group_size <= 128 && p.sdtype != 2
 }
 
-/// Blocks (128 weight rows by 64 x rows) a `qmm4_f16` grid aims for: two per SM of an H100.
-const QMM4_TARGET_BLOCKS: usize = 264;
+/// Blocks (128 weight rows by 64 x rows) of `qmm4_f16` an H100 holds at once: three an SM of
+/// 132 (its launch bounds). `qmm4_f16_b2` (two an SM) kept the earlier rule: double the grid
+/// while under 264 blocks.
+const QMM4_SLOTS: usize = 396;
+const QMM4_B2_TARGET_BLOCKS: usize = 264;
 
-/// K splits for `qmm4_f16`: doubled until the grid reaches the target, each split a multiple
-/// of 128 codes and at least 512 long.
+/// `BOT_CUDA_PROMPT_OCC=2`: the two-an-SM `qmm4_f16_b2` and its splits, for comparisons.
+fn qmm4_two_an_sm() -> bool {
+    static CELL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CELL.get_or_init(|| std::env::var("BOT_CUDA_PROMPT_OCC").is_ok_and(|v| v == "2"))
+}
+
+/// The `qmm4_f16` instance prompts run.
+pub fn qmm4_kernel() -> &'static str {
+    if qmm4_two_an_sm() {
+        "qmm4_f16_b2"
+    } else {
+        "qmm4_f16"
+    }
+}
+
+/// K splits for `qmm4_f16`: the most that keep the grid in one wave of the GPU (a second,
+/// partial wave would leave most SMs idle while it runs), each split a whole number of
+/// 128-code steps and at least 512 codes long (down_proj's 96 steps split 12 ways: 384 blocks).
 pub fn qmm4_splits(n: usize, m: usize, k: usize) -> usize {
-    k_splits(
-        n.div_ceil(128) * m.div_ceil(64),
-        k,
-        128,
-        512,
-        QMM4_TARGET_BLOCKS,
-    )
+    let blocks = n.div_ceil(128) * m.div_ceil(64);
+    if qmm4_two_an_sm() {
+        return k_splits(blocks, k, 128, 512, QMM4_B2_TARGET_BLOCKS);
+    }
+    let steps = k / 128;
+    (1..=steps)
+        .filter(|&s| steps % s == 0 && k / s >= 512 && blocks * s <= QMM4_SLOTS)
+        .max()
+        .unwrap_or(1)
 }
 
 /// 64x64-tile blocks a TF32 prompt grid aims for (about four per SM of an H100).
@@ -400,7 +421,7 @@ mod tests {
 
     #[test]
     fn splits_fill_the_gpu_and_respect_the_workspace() {
-        // 64 rows of o_proj: 32 x 1 tiles of 128 x 64, doubled to reach 264 blocks
+        // 64 rows of o_proj: 32 x 1 tiles of 128 x 64, doubled while one wave holds them
         let q = p(64, 4096, 4096, 4, 64, 0);
         let plan = matmul(&q, Numerics::Fast, usize::MAX);
         assert_eq!(plan, Matmul::PromptF16 { splits: 8 });
@@ -426,5 +447,12 @@ mod tests {
             assert!(k % (s * 32) == 0 && k / s >= 256.min(k), "{n} {m} {k}: {s}");
         }
         assert_eq!(qmm_splits(151936, 512, 4096), 1, "a full grid is not split");
+        // 64 rows of the 8B shape: q|k|v, gate|up and down in one wave of 396 blocks; o (32
+        // steps) at 256, as splits of 256 codes would be too short
+        assert_eq!(qmm4_splits(6144, 64, 4096), 8);
+        assert_eq!(qmm4_splits(24576, 64, 4096), 2);
+        assert_eq!(qmm4_splits(4096, 64, 12288), 12);
+        assert_eq!(qmm4_splits(4096, 64, 4096), 8);
+        assert_eq!(qmm4_splits(24576, 512, 4096), 1);
     }
 }

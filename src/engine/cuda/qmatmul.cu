@@ -661,7 +661,7 @@ __device__ __forceinline__ unsigned int deq_pair(unsigned int v, int i, __half2 
     return *(const unsigned int*)&r;
 }
 
-extern "C" __global__ void __launch_bounds__(128) qmm4_f16(
+__device__ __forceinline__ void qmm4_f16_body(
     const __half* __restrict__ xh, const float* __restrict__ rs, const uint8_t* __restrict__ w,
     const void* __restrict__ scales, const void* __restrict__ biases, float* y, float* ws, int M,
     int N, int K, int group_size, int sdtype, int splits, Epi e) {
@@ -784,18 +784,58 @@ extern "C" __global__ void __launch_bounds__(128) qmm4_f16(
             }
 }
 
+// Three blocks an SM (registers capped at 168: a few bytes spill outside the K loop), so that
+// a 384-block grid (gate|up split twice, q|k|v eight times) runs in one wave of an H100's 396
+// slots; `qmm4_f16_b2` is the uncapped build (176 registers, two an SM), for comparisons.
+#define QMM4_F16(NAME, BOUNDS)                                                                      \
+    extern "C" __global__ void __launch_bounds__ BOUNDS NAME(                                   \
+        const __half* __restrict__ xh, const float* __restrict__ rs, const uint8_t* __restrict__ w,  \
+        const void* __restrict__ scales, const void* __restrict__ biases, float* y, float* ws,      \
+        int M, int N, int K, int group_size, int sdtype, int splits, Epi e) {                       \
+        qmm4_f16_body(xh, rs, w, scales, biases, y, ws, M, N, K, group_size, sdtype, splits, e);    \
+    }
+QMM4_F16(qmm4_f16, (128, 3))
+QMM4_F16(qmm4_f16_b2, (128))
+
 // xh (M, K) fp16 = x * 2^e per row, e chosen so the row's largest |x| lands in [2^13, 2^14)
 // (rs[m] = 2^-e); within each 8 values the order is 0 4 1 5 2 6 3 7 (qmm4_f16's pairs).
-// Grid: M blocks of 256 threads; K % 8 == 0.
+// With `nw`, x is first RMS-normalized with that weight, as rms_norm_f32 computes it (the same
+// products in the same order, so the same halves as rms_norm_f32 then this kernel), which saves
+// the prompt's norm kernels a launch and a round trip each. Grid: M blocks of 256 threads;
+// K % 8 == 0.
+__device__ __forceinline__ float4 norm4(float4 v, const float4* nw, int c, float r) {
+    if (!nw) return v;
+    const float4 g = nw[c];
+    return make_float4(v.x * r * g.x, v.y * r * g.y, v.z * r * g.z, v.w * r * g.w);
+}
+
 extern "C" __global__ void x_to_f16p(const float* __restrict__ x, __half* __restrict__ xh,
-                                     float* __restrict__ rs, int K) {
+                                     float* __restrict__ rs, int K, const float* __restrict__ nw,
+                                     float eps) {
     PDL_ENTRY();
     __shared__ float part[8];
-    const int m = blockIdx.x, tid = threadIdx.x;
+    const int m = blockIdx.x, tid = threadIdx.x, nwarps = blockDim.x >> 5;
     const float4* xr = (const float4*)(x + (size_t)m * K);
+    const float4* w4 = (const float4*)nw;
+    float r = 1.f;
+    if (nw) {
+        float ss = 0.f;
+        for (int c = tid; c < K / 4; c += blockDim.x) {
+            const float4 v = xr[c];
+            ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if ((tid & 31) == 0) part[tid >> 5] = ss;
+        __syncthreads();
+        ss = 0.f;
+        for (int i = 0; i < nwarps; i++) ss += part[i];
+        r = rsqrtf(ss / (float)K + eps);
+        __syncthreads();  // part is reused below
+    }
     float mx = 0.f;
     for (int c = tid; c < K / 4; c += blockDim.x) {
-        const float4 v = xr[c];
+        const float4 v = norm4(xr[c], w4, c, r);
         mx = fmaxf(mx, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
     }
 #pragma unroll
@@ -803,14 +843,14 @@ extern "C" __global__ void x_to_f16p(const float* __restrict__ x, __half* __rest
     if ((tid & 31) == 0) part[tid >> 5] = mx;
     __syncthreads();
     mx = 0.f;
-    for (int i = 0; i < (int)(blockDim.x >> 5); i++) mx = fmaxf(mx, part[i]);
+    for (int i = 0; i < nwarps; i++) mx = fmaxf(mx, part[i]);
     int ex = 0;
     if (mx > 0.f && mx < INFINITY) frexpf(mx, &ex);
     ex = max(ex, -100);  // 2^(14 - ex) stays a finite f32
     const float up = ldexpf(1.f, 14 - ex);
     if (tid == 0) rs[m] = ldexpf(1.f, ex - 14);
     for (int b = tid; b < K / 8; b += blockDim.x) {
-        const float4 lo = xr[2 * b], hi = xr[2 * b + 1];
+        const float4 lo = norm4(xr[2 * b], w4, 2 * b, r), hi = norm4(xr[2 * b + 1], w4, 2 * b + 1, r);
         const __half2 p0 = __floats2half2_rn(lo.x * up, hi.x * up);
         const __half2 p1 = __floats2half2_rn(lo.y * up, hi.y * up);
         const __half2 p2 = __floats2half2_rn(lo.z * up, hi.z * up);

@@ -183,14 +183,17 @@ pub fn qmatmul_fwd(
             b.arg(&xh);
             b.arg(&rs);
             b.arg(&p.k);
+            let (no_norm, eps) = (0u64, 0f32);
+            b.arg(&no_norm);
+            b.arg(&eps);
             let cfg = LaunchConfig {
                 grid_dim: (m as u32, 1, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: the arguments match x_to_f16p's signature; x holds m * k floats.
+            // SAFETY: the arguments match x_to_f16p's signature (no norm); x holds m * k floats.
             unsafe { b.launch(cfg) }.w()?;
-            let func = dev.get_or_load_custom_func("qmm4_f16", MODULE, PTX)?;
+            let func = dev.get_or_load_custom_func(plan::qmm4_kernel(), MODULE, PTX)?;
             let mut b = func.builder();
             b.arg(&xh);
             b.arg(&rs);

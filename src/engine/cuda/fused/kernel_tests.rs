@@ -1,6 +1,7 @@
 //! Each kernel of `step.cu` on its own against a plain CPU reference, on the GPU (a `cuda`
 //! build's tests need one), at every head size the step compiles (32, 64, 128, 256): RMSNorm,
-//! the q/k norms with RoPE and the cache write, prompt attention, decode attention (norms,
+//! x_to_f16p with the norm folded in (against RMSNorm then x_to_f16p), the q/k norms with
+//! RoPE and the cache write, prompt attention, decode attention (norms,
 //! RoPE and cache write inside, keys split over blocks), SwiGLU and the LoRA A product (with
 //! and without the fused norm). The matmul epilogues are covered end to end by the fused-vs-ops
 //! test (`tests/integration/engine_vs_mlx.rs`). References accumulate in f64; kernels must
@@ -121,6 +122,36 @@ fn rms_norm_swiglu_and_lora_a_match_their_references() {
     unsafe { b.launch(cfg((m, 1), 256)) }.unwrap();
     let want: Vec<f64> = x.chunks(h).flat_map(|r| rms_ref(r, &w, eps)).collect();
     assert_close("rms_norm_f32", &down(&dev, &out), &want);
+
+    // x_to_f16p with the norm folded in writes the halves (and row scales) it writes from
+    // rms_norm_f32's output: the same arithmetic in the same order
+    let half = |src: &CudaSlice<f32>, nw: Option<&CudaSlice<f32>>| -> (Vec<u16>, Vec<f32>) {
+        let (xh, rs) = (
+            dev.alloc_zeros::<u16>(m * h).unwrap(),
+            dev.alloc_zeros::<f32>(m).unwrap(),
+        );
+        let func = dev
+            .get_or_load_custom_func("x_to_f16p", super::QMODULE, super::QPTX)
+            .unwrap();
+        let null = 0u64;
+        let mut b = func.builder();
+        b.arg(src).arg(&xh).arg(&rs).arg(&hi);
+        match nw {
+            Some(nw) => b.arg(nw),
+            None => b.arg(&null),
+        };
+        b.arg(&eps);
+        // SAFETY: the arguments match x_to_f16p's signature; src holds m * h floats.
+        unsafe { b.launch(cfg((m, 1), 256)) }.unwrap();
+        (dev.clone_dtoh(&xh).unwrap(), down(&dev, &rs))
+    };
+    let (folded, separate) = (half(&xs, Some(&ws)), half(&out, None));
+    assert_eq!(folded, separate, "x_to_f16p with the norm folded in");
+    assert_ne!(
+        half(&xs, None),
+        separate,
+        "the fold changes what x_to_f16p writes"
+    );
 
     let inter = 3072usize;
     let gu = random(&mut rng, m * 2 * inter, 8.0);

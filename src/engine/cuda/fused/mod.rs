@@ -61,9 +61,10 @@ const STEP_MODULE: &str = "bot_step";
 const ATT_SPLITS: usize = 4;
 /// The kernels of `qmatmul.cu` the step launches, besides the decode kernels
 /// (`plan::decode_kernels`).
-const QMATMUL_KERNELS: [&str; 7] = [
+const QMATMUL_KERNELS: [&str; 8] = [
     "qmv_f32",
     "qmm4_f16",
+    "qmm4_f16_b2",
     "x_to_f16p",
     "qmm_tf32",
     "qmm_tf32_sk",

@@ -5,8 +5,8 @@ use super::*;
 
 impl FusedQwen3 {
     /// `y (rows, p.n) = x (rows, p.k) @ W^T`, plus LoRA and `residual` (which may be `y`).
-    /// With `norm`, x is RMS-normalized with that weight first: inside the matmul (and the
-    /// LoRA A product) where the decode kernel runs and `fuse` allows, else by its own kernel.
+    /// With `norm`, x is RMS-normalized with that weight first: where `fuse` allows, inside the
+    /// decode matmul or the prompt's `x_to_f16p` (and the LoRA A product), else by its own kernel.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn proj(
         &self,
@@ -27,8 +27,30 @@ impl FusedQwen3 {
         } else {
             y
         };
+        let (n, k) = (p.n as i32, p.k as i32);
+        let (bits, gs, sd) = (p.bits as i32, p.group_size as i32, p.sdtype);
+        let q = QParams {
+            m: rows as i32,
+            n,
+            k,
+            bits,
+            group_size: gs,
+            sdtype: sd,
+        };
+        let numerics = if self.exact {
+            Numerics::Exact
+        } else {
+            Numerics::Fast
+        };
+        let plan = plan::matmul(&q, numerics, self.bufs.ws.len());
+        // the norm rides in the kernel that reads x: the decode matmul, or x_to_f16p (which
+        // writes what it would from rms_norm_f32's output; with LoRA the A product would
+        // then take the norm in another order, so a prompt with LoRA keeps the norm kernel,
+        // and a forward that keeps hidden states gets the same logits)
+        let prompt_folds = matches!(plan, Matmul::PromptF16 { .. }) && p.lora.is_none();
+        let folds = fuse && (decode || prompt_folds);
         let (x, nw) = match norm {
-            Some(w) if decode && fuse => (x, ptr(w, st)),
+            Some(w) if folds => (x, ptr(w, st)),
             Some(w) => {
                 let xn = ptr(&self.bufs.xn, st);
                 self.rms_norm(x, w, xn, rows)?;
@@ -57,8 +79,6 @@ impl FusedQwen3 {
             ptr(&p.w.scales, st),
             ptr(&p.w.biases, st),
         );
-        let (n, k) = (p.n as i32, p.k as i32);
-        let (bits, gs, sd) = (p.bits as i32, p.group_size as i32, p.sdtype);
         if decode {
             let a = [
                 Arg::P(x),
@@ -77,19 +97,6 @@ impl FusedQwen3 {
             let s = p.decode;
             return self.launch_as(tag, s.f, (s.grid, 1), s.threads, s.smem, &a);
         }
-        let q = QParams {
-            m: rows as i32,
-            n,
-            k,
-            bits,
-            group_size: gs,
-            sdtype: sd,
-        };
-        let numerics = if self.exact {
-            Numerics::Exact
-        } else {
-            Numerics::Fast
-        };
         let a = [
             Arg::P(x),
             Arg::P(w),
@@ -104,7 +111,7 @@ impl FusedQwen3 {
             Arg::I(sd),
             Arg::E(epi),
         ];
-        match plan::matmul(&q, numerics, self.bufs.ws.len()) {
+        match plan {
             Matmul::PromptF16 { splits } => {
                 let (xh, rs, ws) = (
                     ptr(&self.bufs.xh, st),
@@ -117,7 +124,14 @@ impl FusedQwen3 {
                     (rows, 1),
                     256,
                     0,
-                    &[Arg::P(x), Arg::P(xh), Arg::P(rs), Arg::I(k)],
+                    &[
+                        Arg::P(x),
+                        Arg::P(xh),
+                        Arg::P(rs),
+                        Arg::I(k),
+                        Arg::P(nw),
+                        Arg::F(self.d.eps),
+                    ],
                 )?;
                 let a = [
                     Arg::P(xh),
@@ -136,7 +150,7 @@ impl FusedQwen3 {
                     Arg::E(epi),
                 ];
                 let grid = (p.n.div_ceil(128), rows.div_ceil(64), splits);
-                self.launch3(tag, "qmm4_f16", grid, 128, &a)?;
+                self.launch3(tag, plan::qmm4_kernel(), grid, 128, &a)?;
                 if splits == 1 {
                     return Ok(());
                 }
