@@ -207,19 +207,22 @@ fn exact(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32]) {
     });
 }
 
-/// Activations prepared for the integer kernels. Per row, the codes of each 32-value block are
-/// split into even (`e`) and odd (`o`) positions, matching the low and high nibbles of MLX's
-/// bytes; with `split`, each code is `128·h + l` (`h` signed, `l` in 0..127), else only `l`
-/// (an int8 code). One scale per block and the exact f32 sum of each quantization group.
-/// With `split`, the whole codes also as i16 in the order of AVX2's 16-bit multiply (`w16`).
+/// Activations prepared for the integer kernels: per row, one scale `d` per 32-value block
+/// (`max|x| / qmax`), each value's integer code `round(x / d)` (ties to even), and the exact
+/// f32 sum of each quantization group. The codes are stored in the one layout the kernel that
+/// reads them wants (`ActLayout`), built in a single pass (SIMD where the CPU has AVX2).
 pub struct IntActs {
     pub k: usize,
     pub split: bool,
+    pub layout: ActLayout,
+    /// `Halves`: per row, the codes of each block split into even (`e`) and odd (`o`)
+    /// positions, matching the low and high nibbles of MLX's bytes; with `split`, each code is
+    /// `128·h + l` (`h` signed, `l` in 0..127), else only `l` (an int8 code). Empty otherwise.
     pub el: Vec<i8>,
     pub ol: Vec<i8>,
     pub eh: Vec<i8>,
     pub oh: Vec<i8>,
-    /// With `split`: per row (stride `k16()`), per pair of blocks `(2p, 2p + 1)`, four vectors
+    /// `Words`: per row (stride `k16()`), per pair of blocks `(2p, 2p + 1)`, four vectors
     /// `t` of 16 i16: lanes 0..8 hold codes `4j + t` of block `2p`, lanes 8..16 those of block
     /// `2p + 1`. Lane `j` of a 16-bit word of MLX's codes holds codes `4j..4j + 4` in its four
     /// nibbles, so masks and shifts alone line the weights up with these (no shuffles).
@@ -230,58 +233,89 @@ pub struct IntActs {
     pub gsum: Vec<f32>,
 }
 
+/// Which layout of the integer activations a kernel reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActLayout {
+    /// Even/odd 8-bit halves: the `maddubs`/VNNI/NEON kernels.
+    Halves,
+    /// Whole 15-bit codes as i16 in `madd` order: AVX2 (no VNNI) with 15-bit activations.
+    Words,
+}
+
+impl ActLayout {
+    /// The layout `isa`'s decode kernel reads, with 15-bit (`split`) or 8-bit activations.
+    pub fn for_isa(isa: Isa, split: bool) -> Self {
+        if split && isa == Isa::Avx2 {
+            ActLayout::Words
+        } else {
+            ActLayout::Halves
+        }
+    }
+}
+
+/// Where code `pos` (0..32) of the first block of a pair goes in its 64 words of `w16`
+/// (the second block's are 8 further).
+const W16_AT: [usize; 32] = {
+    let mut at = [0; 32];
+    let mut pos = 0;
+    while pos < 32 {
+        at[pos] = pos % 4 * 16 + pos / 4;
+        pos += 1;
+    }
+    at
+};
+
 impl IntActs {
-    pub fn new(x: &[f32], m: usize, k: usize, gs: usize, split: bool) -> Self {
+    pub fn new(x: &[f32], m: usize, k: usize, gs: usize, split: bool, layout: ActLayout) -> Self {
         let nb = k / 32;
-        let half = if split { m * k / 2 } else { 0 };
+        let halves = layout == ActLayout::Halves;
+        let half = if split && halves { m * k / 2 } else { 0 };
+        let lows = if halves { m * k / 2 } else { 0 };
         let mut a = IntActs {
             k,
             split,
-            el: vec![0; m * k / 2],
-            ol: vec![0; m * k / 2],
+            layout,
+            el: vec![0; lows],
+            ol: vec![0; lows],
             eh: vec![0; half],
             oh: vec![0; half],
             d: vec![0.0; m * nb],
-            w16: vec![0; if split { m * nb.div_ceil(2) * 64 } else { 0 }],
-            dx: Vec::new(),
+            w16: vec![0; if halves { 0 } else { m * nb.div_ceil(2) * 64 }],
+            dx: vec![0.0; 4 * m * nb],
             gsum: vec![0.0; m * (k / gs)],
         };
         let k16 = a.k16();
         let qmax = if split { 16383.0 } else { 127.0 };
+        let mut q = vec![0i32; nb * 32];
         for i in 0..m {
             let xr = &x[i * k..(i + 1) * k];
-            for b in 0..nb {
-                let blk = &xr[b * 32..(b + 1) * 32];
-                let amax = blk.iter().fold(0f32, |a, v| a.max(v.abs()));
-                let d = amax / qmax;
-                let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-                a.d[i * nb + b] = d;
-                for j in 0..16 {
-                    let at = i * k / 2 + b * 16 + j;
-                    for (pos, lo, hi) in [
-                        (2 * j, &mut a.el, &mut a.eh),
-                        (2 * j + 1, &mut a.ol, &mut a.oh),
-                    ] {
-                        let q = (blk[pos] * inv).round() as i32;
+            let d = &mut a.d[i * nb..(i + 1) * nb];
+            let gsum = &mut a.gsum[i * (k / gs)..(i + 1) * (k / gs)];
+            quantize_row(&xr[..nb * 32], qmax, d, &mut q);
+            group_sums(xr, gs, gsum);
+            for (b, qb) in q.chunks_exact(32).enumerate() {
+                if halves {
+                    let at = i * k / 2 + b * 16;
+                    for j in 0..16 {
+                        let (e, o) = (qb[2 * j], qb[2 * j + 1]);
                         if split {
-                            hi[at] = (q >> 7) as i8;
-                            lo[at] = (q & 127) as i8;
-                            let at16 = i * k16 + b / 2 * 64 + pos % 4 * 16 + b % 2 * 8 + pos / 4;
-                            a.w16[at16] = q as i16;
+                            (a.el[at + j], a.eh[at + j]) = ((e & 127) as i8, (e >> 7) as i8);
+                            (a.ol[at + j], a.oh[at + j]) = ((o & 127) as i8, (o >> 7) as i8);
                         } else {
-                            lo[at] = q as i8;
+                            (a.el[at + j], a.ol[at + j]) = (e as i8, o as i8);
                         }
+                    }
+                } else {
+                    let base = i * k16 + b / 2 * 64 + b % 2 * 8;
+                    for (&at, &v) in W16_AT.iter().zip(qb) {
+                        a.w16[base + at] = v as i16;
                     }
                 }
             }
-            for (g, s) in a.gsum[i * (k / gs)..(i + 1) * (k / gs)]
-                .iter_mut()
-                .enumerate()
-            {
-                *s = xr[g * gs..(g + 1) * gs].iter().sum();
-            }
         }
-        a.dx = a.d.iter().flat_map(|&d| [d; 4]).collect();
+        for (dx, &d) in a.dx.chunks_exact_mut(4).zip(&a.d) {
+            dx.fill(d);
+        }
         a
     }
 
@@ -292,6 +326,9 @@ impl IntActs {
 
     /// The integer code of value `j` of block `b` of row `i` as a plain i32.
     pub(crate) fn code(&self, i: usize, b: usize, j: usize) -> i32 {
+        if self.layout == ActLayout::Words {
+            return self.w16[i * self.k16() + b / 2 * 64 + b % 2 * 8 + W16_AT[j]] as i32;
+        }
         let at = i * self.k / 2 + b * 16 + j / 2;
         let (l, h) = if j % 2 == 0 {
             (&self.el, &self.eh)
@@ -303,6 +340,56 @@ impl IntActs {
         } else {
             l[at] as i32
         }
+    }
+}
+
+/// Per 32-value block of `x`: `d = max|x| / qmax` and the codes `round_ties_even(x · (1/d))`
+/// (zero for an all-zero block). With AVX2 the same bits, faster (this runs on one thread
+/// before every decode matmul).
+fn quantize_row(x: &[f32], qmax: f32, d: &mut [f32], q: &mut [i32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa::active().avx2() {
+        // SAFETY: the active instruction set includes AVX2 and FMA (detected or checked).
+        unsafe { crate::engine::cpu::x86::quantize_row_avx2(x, qmax, d, q) };
+        return;
+    }
+    quantize_row_scalar(x, qmax, d, q)
+}
+
+/// The definition `quantize_row` follows.
+pub(crate) fn quantize_row_scalar(x: &[f32], qmax: f32, d: &mut [f32], q: &mut [i32]) {
+    for ((blk, db), qb) in x
+        .chunks_exact(32)
+        .zip(d.iter_mut())
+        .zip(q.chunks_exact_mut(32))
+    {
+        let amax = blk.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let dv = amax / qmax;
+        let inv = if dv > 0.0 { 1.0 / dv } else { 0.0 };
+        *db = dv;
+        for (o, &v) in qb.iter_mut().zip(blk) {
+            *o = (v * inv).round_ties_even() as i32;
+        }
+    }
+}
+
+/// The f32 sum of each group of `gs` values of `x`, in eight lanes then a fixed tree (the
+/// order the compiler can vectorize without reassociating).
+fn group_sums(x: &[f32], gs: usize, out: &mut [f32]) {
+    for (xs, o) in x.chunks_exact(gs).zip(out.iter_mut()) {
+        let mut acc = [0f32; 8];
+        for c in xs.chunks_exact(8) {
+            for l in 0..8 {
+                acc[l] += c[l];
+            }
+        }
+        let t = [
+            acc[0] + acc[4],
+            acc[1] + acc[5],
+            acc[2] + acc[6],
+            acc[3] + acc[7],
+        ];
+        *o = (t[0] + t[2]) + (t[1] + t[3]);
     }
 }
 
@@ -380,7 +467,14 @@ pub struct RowShape {
 const MR: usize = 4;
 
 fn int_q4(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], split: bool, isa: Isa) {
-    let a = IntActs::new(x, m, w.cols, w.params.group_size, split);
+    let a = IntActs::new(
+        x,
+        m,
+        w.cols,
+        w.params.group_size,
+        split,
+        ActLayout::for_isa(isa, split),
+    );
     for_rows(w.rows, m, y, |first, outs| {
         int_task(w, &a, first, m, split, isa, outs)
     });
@@ -415,7 +509,7 @@ pub fn qmatvec_shared(ws: &[&QMatrix], x: &[f32], kernel: Numerics) -> Option<Ve
     {
         return None;
     }
-    let a = IntActs::new(x, 1, k, gs, split);
+    let a = IntActs::new(x, 1, k, gs, split, ActLayout::for_isa(isa, split));
     let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; w.rows]).collect();
     let total: usize = ws.iter().map(|w| w.rows).sum();
     let chunk = task_rows(total);
@@ -496,7 +590,7 @@ fn int_task(
 /// The integer kernel's arithmetic without SIMD (tests compare the two).
 pub fn int_q4_scalar(w: &QMatrix, x: &[f32], m: usize, split: bool) -> Vec<f32> {
     let gs = w.params.group_size;
-    let a = IntActs::new(x, m, w.cols, gs, split);
+    let a = IntActs::new(x, m, w.cols, gs, split, ActLayout::Halves);
     let v = View::new(w);
     let mut y = vec![0f32; m * w.rows];
     for i in 0..m {
@@ -731,6 +825,64 @@ mod tests {
         assert!(qmatvec_shared(&[&ws[0], &other_gs], &x, Numerics::Fast).is_none());
         let other_bits = random_qmatrix(8, k, 8, 64, Dtype::BF16, 2);
         assert!(qmatvec_shared(&[&ws[0], &other_bits], &x, Numerics::Fast).is_none());
+    }
+
+    /// The activation quantizer: the AVX2 pass gives the scalar definition's scales and
+    /// codes bit for bit (ties, zero blocks, tiny and huge magnitudes included), and both
+    /// layouts hold the same codes, within the stated range.
+    #[test]
+    fn activation_codes_agree_across_isas_and_layouts() {
+        let (m, k, gs) = (3, 1056, 32);
+        let mut x = rand_x(m, k, 11);
+        x[64..96].fill(0.0); // an all-zero block
+        x[128] = 3.0e30;
+        x[200] = -1.0e-30;
+        for split in [true, false] {
+            let qmax = if split { 16383.0 } else { 127.0 };
+            // a block whose scale is 1: its halves are ties, rounded to even
+            for (j, v) in x[96..128].iter_mut().enumerate() {
+                *v = if j == 0 { qmax } else { j as f32 - 16.5 };
+            }
+            let nb = k / 32;
+            let (mut d0, mut q0) = (vec![0f32; nb], vec![0i32; k]);
+            quantize_row_scalar(&x[..k], qmax, &mut d0, &mut q0);
+            assert!(q0.iter().all(|q| q.abs() <= qmax as i32));
+            let ties: Vec<i32> = (1..32)
+                .map(|j| ((j as f32 - 16.5) / 2.0).round() as i32 * 2)
+                .collect();
+            assert_eq!(q0[97..128], ties[..], "ties to even");
+            #[cfg(target_arch = "x86_64")]
+            if Isa::Avx2.supported() {
+                let (mut d1, mut q1) = (vec![0f32; nb], vec![0i32; k]);
+                // SAFETY: AVX2 and FMA checked above
+                unsafe {
+                    crate::engine::cpu::x86::quantize_row_avx2(&x[..k], qmax, &mut d1, &mut q1)
+                };
+                assert_eq!(q0, q1, "split {split}");
+                assert_eq!(
+                    d0.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    d1.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                );
+            }
+            let h = IntActs::new(&x, m, k, gs, split, ActLayout::Halves);
+            let layouts = if split {
+                vec![IntActs::new(&x, m, k, gs, split, ActLayout::Words)]
+            } else {
+                vec![]
+            };
+            for i in 0..m {
+                for b in 0..nb {
+                    for j in 0..32 {
+                        if i == 0 {
+                            assert_eq!(h.code(i, b, j), q0[b * 32 + j]);
+                        }
+                        for w in &layouts {
+                            assert_eq!(w.code(i, b, j), h.code(i, b, j), "{i} {b} {j}");
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// Decode-sized inputs (M < GEMM_MIN_ROWS, including the 4-row blocking and its

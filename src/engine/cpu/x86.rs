@@ -568,6 +568,39 @@ mod simd {
     }
 }
 
+/// `quant::quantize_row_scalar` on AVX2, bit for bit: the maximum is exact in any order, and
+/// the product and the conversion round to nearest even (the default MXCSR), as
+/// `round_ties_even` does.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `d` holds a value per 32 of `x`, `q` one per value.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn quantize_row_avx2(x: &[f32], qmax: f32, d: &mut [f32], q: &mut [i32]) {
+    use std::arch::x86_64::*;
+    let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    for ((blk, db), qb) in x
+        .chunks_exact(32)
+        .zip(d.iter_mut())
+        .zip(q.chunks_exact_mut(32))
+    {
+        let v = [0, 1, 2, 3].map(|t| _mm256_loadu_ps(blk.as_ptr().add(8 * t)));
+        let m = v.map(|v| _mm256_and_ps(v, abs));
+        let m = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
+        let h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        let h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        let dv = _mm_cvtss_f32(h) / qmax;
+        let inv = if dv > 0.0 { 1.0 / dv } else { 0.0 };
+        *db = dv;
+        let iv = _mm256_set1_ps(inv);
+        for (t, &vt) in v.iter().enumerate() {
+            let c = _mm256_cvtps_epi32(_mm256_mul_ps(vt, iv));
+            _mm256_storeu_si256(qb.as_mut_ptr().add(8 * t) as *mut __m256i, c);
+        }
+    }
+}
+
 /// The kernel of `isa` (`Avx512Vnni`, `AvxVnni` or `Avx2`) over one task's weight rows.
 ///
 /// # Safety
