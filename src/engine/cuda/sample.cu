@@ -74,9 +74,13 @@ extern "C" __global__ void __launch_bounds__(1024)
 // in a fixed tree and over blocks in block order, so it is the same run to run.
 //
 // Co-residency: the barriers spin, so every block must be resident at once: the host launches
-// at most one block per SM (`GRID_THREADS` threads, ~19 KB of shared memory each). The scratch
-// (`GridScratch`, zeroed once by the host) is left zeroed by every run, so graph replays need
-// no memset.
+// at most one block per SM (`GRID_THREADS` threads, ~19 KB of shared memory each) as a
+// cooperative launch, which the driver refuses when the blocks cannot all be resident (an MPS
+// share or a green context with fewer SMs); a barrier that still waits about a second traps,
+// so the launch fails with an error rather than hanging the process. The scratch
+// (`GridScratch`, zeroed once by the host) is left by every run as the next reads it: the
+// count, flags, sums and histograms zero, the generation counting up, the per-block sums
+// written before they are read; so graph replays need no memset.
 
 #define GRID_THREADS 256
 #define GRID_MAX_BLOCKS 1024
@@ -113,7 +117,12 @@ __device__ __forceinline__ void grid_sync(GridScratch* g) {
             __threadfence();
             atomicAdd(&g->bar_gen, 1u);
         } else {
-            while (*gen == seen) __nanosleep(32);
+            // ~32 ns a round at least: 2^25 rounds is over a second, far past any barrier
+            uint spins = 0;
+            while (*gen == seen) {
+                __nanosleep(32);
+                if (++spins == (1u << 25)) __trap();
+            }
         }
         __threadfence();
     }

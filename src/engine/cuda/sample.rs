@@ -20,7 +20,9 @@ pub(crate) const THREADS: usize = 1024;
 pub(crate) const GRID_KERNEL: &str = "sample_grid_f32";
 pub(crate) const GRID_THREADS: usize = 256;
 /// Bytes of the grid sampler's scratch (`GridScratch`, which sample.cu asserts fits). Zeroed
-/// once when allocated; every run leaves it zeroed.
+/// once when allocated; every run leaves zero what the next one reads as zero (the barrier's
+/// count, the flags, sums and histograms; the barrier's generation only ever counts up and
+/// the per-block sums are written before they are read).
 pub(crate) const GRID_SCRATCH_BYTES: usize = 131_072;
 
 /// Blocks of the grid sampler for `vocab` logits on `sms` multiprocessors: about 1024 logits
@@ -45,12 +47,15 @@ pub(crate) fn multiprocessors(
 unsafe impl DeviceRepr for KernelParams {}
 
 /// The sampler (`sample::op::SampleOp`) on a CUDA logits row starting at element `o0`, over
-/// a grid or (`single_block`) in one block.
+/// a grid or (`single_block`) in one block; `grid` overrides the grid's blocks and dynamic
+/// shared memory (tests).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn sample_fwd(
     params: &KernelParams,
     state: &SampleState,
     want_keep: bool,
     single_block: bool,
+    grid: Option<(usize, u32)>,
     s: &CudaStorage,
     o0: usize,
     vocab: usize,
@@ -82,19 +87,29 @@ pub(crate) fn sample_fwd(
     if !single_block {
         b.arg(&scratch);
     }
-    let (blocks, threads) = match single_block {
-        true => (1, THREADS),
-        false => (grid_blocks(vocab, multiprocessors(&stream)?), GRID_THREADS),
+    let (blocks, threads, smem) = match (single_block, grid) {
+        (true, _) => (1, THREADS, 0),
+        (false, Some((blocks, smem))) => (blocks, GRID_THREADS, smem),
+        (false, None) => (
+            grid_blocks(vocab, multiprocessors(&stream)?),
+            GRID_THREADS,
+            0,
+        ),
     };
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
         block_dim: (threads as u32, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: smem,
     };
     // SAFETY: the arguments match sample_f32's (or sample_grid_f32's) signature; `work` holds
     // `vocab` floats, `out` 12 bytes plus one per token when the mask is asked for, `scratch`
-    // a zeroed GridScratch; the grid is at most one block an SM.
-    unsafe { b.launch(cfg) }.w()?;
+    // a zeroed GridScratch (per-block sums for up to 1024 blocks). The grid's launch is
+    // cooperative: the driver refuses one that cannot be resident all at once (fewer SMs than
+    // reported under MPS or a green context) rather than let its barriers wait forever.
+    match single_block {
+        true => unsafe { b.launch(cfg) }.w()?,
+        false => unsafe { b.launch_cooperative(cfg) }.w()?,
+    };
     Ok((
         CudaStorage::wrap_cuda_slice(out, dev.clone()),
         Shape::from(n),
@@ -117,6 +132,52 @@ mod tests {
     fn cuda_block_sampler_keeps_the_reference_set() {
         let dev = Device::new_cuda(0).expect("a `cuda` build's tests need a GPU");
         sample::testutil::check_device_sampler(&dev, |op| op.single_block = true);
+    }
+
+    /// A grid whose blocks cannot all be resident at once (here: more than the occupancy
+    /// allows with a large shared-memory request) is refused at launch, not started to spin
+    /// forever at its first barrier; the context stays usable.
+    #[test]
+    fn an_oversized_grid_sampler_is_refused() {
+        use crate::engine::sample::{op::SampleOp, testutil, Draw, SampleState};
+        use candle_core::{DType, Tensor};
+        let dev = Device::new_cuda(0).expect("a `cuda` build's tests need a GPU");
+        let cuda = dev.as_cuda_device().expect("a CUDA device");
+        let func = cuda
+            .get_or_load_custom_func(super::GRID_KERNEL, super::MODULE, super::PTX)
+            .expect("the sampler module loads")
+            .into_cuda_function();
+        // with the static ~19 KB, under the 48 KB a block gets without opting in
+        let smem = 28 * 1024;
+        let per_sm = func
+            .occupancy_max_active_blocks_per_multiprocessor(super::GRID_THREADS as u32, smem, None)
+            .expect("occupancy");
+        let sms = super::multiprocessors(&cuda.cuda_stream()).expect("SM count");
+        let blocks = per_sm as usize * sms + 1;
+        assert!(per_sm >= 1 && blocks <= 1024, "{per_sm} a SM, {sms} SMs");
+        let vocab = 151_936;
+        let t = Tensor::zeros((1, vocab), DType::F32, &dev).expect("logits");
+        let p = testutil::param_cases()[0].resolve(vocab);
+        let mut op = SampleOp::new(
+            p,
+            SampleState::new(
+                Draw {
+                    seed: 1,
+                    counter: 0,
+                },
+                &[],
+            ),
+        );
+        op.grid = Some((blocks, smem as u32));
+        let err = t
+            .apply_op1_no_bwd(&op)
+            .expect_err("an oversized cooperative grid");
+        eprintln!("{blocks} blocks ({per_sm} a SM on {sms} SMs) refused: {err}");
+        op.grid = None;
+        let out = t
+            .apply_op1_no_bwd(&op)
+            .expect("the planned grid still runs");
+        assert!(out.to_vec1::<u8>().expect("output").len() >= 12);
     }
 
     #[test]

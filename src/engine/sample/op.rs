@@ -18,6 +18,9 @@ pub struct SampleOp {
     pub want_keep: bool,
     /// CUDA only: the one-block kernel instead of the grid one (for tests and comparisons).
     pub single_block: bool,
+    /// CUDA only, for tests: the grid kernel's blocks and dynamic shared memory instead of the
+    /// planned grid (a grid that cannot be resident at once must be refused).
+    pub grid: Option<(usize, u32)>,
     pub cpu: Mutex<CpuSampler>,
 }
 
@@ -28,6 +31,7 @@ impl SampleOp {
             state,
             want_keep: false,
             single_block: false,
+            grid: None,
             cpu: Mutex::new(CpuSampler::new()),
         }
     }
@@ -116,6 +120,7 @@ impl CustomOp1 for SampleOp {
             &self.state,
             self.want_keep,
             self.single_block,
+            self.grid,
             s,
             o0,
             vocab,

@@ -70,28 +70,28 @@ impl FusedQwen3 {
         smem: usize,
         args: &[Arg],
     ) -> Result<()> {
+        self.launch_with(tag, f, grid, block, smem, args, false)
+    }
+
+    /// `launch_grid`, optionally as a cooperative launch: the driver then refuses a grid whose
+    /// blocks cannot all be resident at once (the grid sampler's barriers need them all)
+    /// instead of starting one that would wait forever.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launch_with(
+        &self,
+        tag: &'static str,
+        f: &str,
+        grid: (usize, usize, usize),
+        block: usize,
+        smem: usize,
+        args: &[Arg],
+        cooperative: bool,
+    ) -> Result<()> {
         let func = self
             .funcs
             .get(f)
             .ok_or_else(|| EngineError::Internal(format!("kernel {f} not loaded")))?;
-        if self.pdl && self.profile.is_none() {
-            return self.launch_pdl(func, grid, block, smem, args);
-        }
-        let mut b = self.stream.launch_builder(func);
-        for a in args {
-            match a {
-                Arg::P(v) => b.arg(v),
-                Arg::I(v) => b.arg(v),
-                Arg::F(v) => b.arg(v),
-                Arg::E(v) => b.arg(v),
-                Arg::S(v) => b.arg(v),
-            };
-        }
-        let cfg = LaunchConfig {
-            grid_dim: (grid.0 as u32, grid.1 as u32, grid.2 as u32),
-            block_dim: (block as u32, 1, 1),
-            shared_mem_bytes: smem as u32,
-        };
+        let pdl = self.pdl && self.profile.is_none();
         let start = match &self.profile {
             Some(_) => Some(
                 self.stream
@@ -100,9 +100,28 @@ impl FusedQwen3 {
             ),
             None => None,
         };
-        // SAFETY: each call site passes the arguments of the kernel's C signature, in order,
-        // and sizes its buffers for the grid it launches (`ensure`).
-        unsafe { b.launch(cfg) }.w()?;
+        if pdl || cooperative {
+            self.launch_ex(func, grid, block, smem, args, pdl, cooperative)?;
+        } else {
+            let mut b = self.stream.launch_builder(func);
+            for a in args {
+                match a {
+                    Arg::P(v) => b.arg(v),
+                    Arg::I(v) => b.arg(v),
+                    Arg::F(v) => b.arg(v),
+                    Arg::E(v) => b.arg(v),
+                    Arg::S(v) => b.arg(v),
+                };
+            }
+            let cfg = LaunchConfig {
+                grid_dim: (grid.0 as u32, grid.1 as u32, grid.2 as u32),
+                block_dim: (block as u32, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            // SAFETY: each call site passes the arguments of the kernel's C signature, in
+            // order, and sizes its buffers for the grid it launches (`ensure`).
+            unsafe { b.launch(cfg) }.w()?;
+        }
         if let (Some(rec), Some(start)) = (&self.profile, start) {
             let end = self
                 .stream
@@ -113,16 +132,20 @@ impl FusedQwen3 {
         Ok(())
     }
 
-    /// `launch_grid` through `cuLaunchKernelEx` with programmatic stream serialization: the
-    /// kernel may start while the previous one still runs and waits for it in `pdl_wait()`
-    /// (`cuda/common.cuh`). Stream capture records this as a programmatic graph edge.
-    pub(super) fn launch_pdl(
+    /// `launch_grid` through `cuLaunchKernelEx`: with `pdl`, programmatic stream serialization
+    /// (the kernel may start while the previous one still runs and waits for it in
+    /// `pdl_wait()`, `cuda/common.cuh`; stream capture records this as a programmatic graph
+    /// edge); with `cooperative`, a cooperative launch.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launch_ex(
         &self,
         func: &CudaFunction,
         grid: (usize, usize, usize),
         block: usize,
         smem: usize,
         args: &[Arg],
+        pdl: bool,
+        cooperative: bool,
     ) -> Result<()> {
         let mut params: Vec<*mut std::ffi::c_void> = args
             .iter()
@@ -134,14 +157,29 @@ impl FusedQwen3 {
                 Arg::S(v) => v as *const KernelParams as *mut std::ffi::c_void,
             })
             .collect();
-        // SAFETY: a zeroed attribute value is valid (all fields are plain integers)
-        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-        value.programmaticStreamSerializationAllowed = 1;
-        let mut attr = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value,
+        let attr = |id, set: fn(&mut sys::CUlaunchAttributeValue)| {
+            // SAFETY: a zeroed attribute value is valid (all fields are plain integers)
+            let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+            set(&mut value);
+            sys::CUlaunchAttribute {
+                id,
+                pad: [0; 4],
+                value,
+            }
         };
+        let mut attrs = Vec::with_capacity(2);
+        if pdl {
+            attrs.push(attr(
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                |v| v.programmaticStreamSerializationAllowed = 1,
+            ));
+        }
+        if cooperative {
+            attrs.push(attr(
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE,
+                |v| v.cooperative = 1,
+            ));
+        }
         let cfg = sys::CUlaunchConfig {
             gridDimX: grid.0 as u32,
             gridDimY: grid.1 as u32,
@@ -151,12 +189,13 @@ impl FusedQwen3 {
             blockDimZ: 1,
             sharedMemBytes: smem as u32,
             hStream: self.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: attrs.len() as u32,
         };
         self.stream.context().bind_to_thread().w()?;
         // SAFETY: `params` points at one value per parameter of the kernel's C signature, in
-        // order (each call site's contract, as for `launch_grid`), alive for the call.
+        // order (each call site's contract, as for `launch_grid`), alive for the call, and
+        // `attrs` holds `numAttrs` attributes.
         unsafe {
             sys::cuLaunchKernelEx(
                 &cfg,

@@ -113,7 +113,8 @@ pub struct FusedQwen3 {
     sample_state: CudaSlice<u8>,
     sample_out: CudaSlice<u32>,
     /// Blocks of the grid sampler (`None`: the one-block kernel, `BOT_CUDA_SAMPLER=block`)
-    /// and its scratch, which every run leaves zeroed.
+    /// and its scratch, zeroed once (each run leaves it as the next one reads it); its launch is
+    /// cooperative (`launch_with`).
     sample_grid: Option<usize>,
     sample_scratch: CudaSlice<u8>,
     /// While profiling: an event pair around every launch (which then runs eagerly).

@@ -330,7 +330,8 @@ impl FusedQwen3 {
             Some(blocks) => {
                 args.push(Arg::P(ptr(&self.sample_scratch, st)));
                 let f = sample::GRID_KERNEL;
-                self.launch_as("sample", f, (blocks, 1), sample::GRID_THREADS, 0, &args)
+                let (g, t) = ((blocks, 1, 1), sample::GRID_THREADS);
+                self.launch_with("sample", f, g, t, 0, &args, true)
             }
             None => self.launch_as("sample", sample::KERNEL, (1, 1), sample::THREADS, 0, &args),
         }
