@@ -109,7 +109,8 @@ __device__ __forceinline__ int q4_slot(int c) {
 // at a time, in every lane; H100, rank 8 on 7 x 16 projections: decode's LoRA cost ~9.6% ->
 // ~8.5% with this).
 template <int ROWS>
-__device__ __forceinline__ void qmv4_lora(float* v, int row0, int lane, int N, const Epi& e) {
+__device__ __forceinline__ void qmv4_lora(float* v, int row0, int lane, int N, const Epi& e,
+                                          float ts) {
     float p[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) p[r] = 0.f;
@@ -117,7 +118,7 @@ __device__ __forceinline__ void qmv4_lora(float* v, int row0, int lane, int N, c
 #pragma unroll
         for (int r = 0; r < ROWS; r++) {
             const int n = min(row0 + r, N - 1);
-            p[r] = fmaf(e.lora_t[lora_seg(n, e) * e.r + j], e.lora_bt[(size_t)n * e.r + j], p[r]);
+            p[r] = fmaf(e.lora_t[lora_seg(n, e) * e.r + j] * ts, e.lora_bt[(size_t)n * e.r + j], p[r]);
         }
     }
 #pragma unroll
@@ -135,7 +136,7 @@ __device__ __forceinline__ void qmv4_lora(float* v, int row0, int lane, int N, c
 template <int ROWS, int KW>
 __device__ __forceinline__ void qmv4_finish(const float* acc, float rn, int row0, int lane,
                                             int team, int member, int N, float* y, const Epi& e,
-                                            float* red) {
+                                            float* red, float ts, const float* fa, float& feed) {
     float v[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
@@ -161,12 +162,24 @@ __device__ __forceinline__ void qmv4_finish(const float* acc, float rn, int row0
     for (int r = 0; r < ROWS; r++) v[r] *= rn;
     Epi rest = e;
     if (e.lora_t) {
-        qmv4_lora<ROWS>(v, row0, lane, N, e);
+        qmv4_lora<ROWS>(v, row0, lane, N, e, ts);
         rest.lora_t = nullptr;
     }
     float out[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) out[r] = row0 + r < N ? epilogue(v[r], 0, row0 + r, N, rest) : 0.f;
+    if constexpr (ROWS == 2) if (e.feed_at) {
+        // every lane holds every row's output (the butterfly sums agree bit for bit): lane j
+        // takes rank j of the next projection's A product, with the row of A' loaded before
+        // the pass (`fa`, zero where it does not apply)
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            // with SwiGLU, y's value n is the pair (2n, 2n + 1), taken at its even row
+            if (row0 + r >= N || (e.swiglu && (r & 1))) continue;
+            const float v = e.swiglu ? out[r] / (1.f + expf(-out[r])) * out[r + 1] : out[r];
+            feed = fmaf(v, fa[r], feed);
+        }
+    }
     if (e.swiglu) {
 #pragma unroll
         for (int r = 0; r < ROWS; r += 2)
@@ -179,6 +192,64 @@ __device__ __forceinline__ void qmv4_finish(const float* acc, float rn, int row0
         for (int r = 0; r < ROWS; r++)
             if (lane == r && row0 + r < N) y[row0 + r] = out[r];
     }
+}
+
+// The LoRA A products a decode kernel's own epilogue needs, made by the kernel before it
+// (`Epi::fed_slots`), right after `pdl_wait()` and before x is staged: each warp adds a share
+// of that kernel's blocks' sums (lane j: rank j; its first FED_LOADS loads issued at once, so
+// one round trip to L2), then warp 0 adds the warps' shares in warp order into `t`, through
+// `sm` (the staging memory, at least 32 floats a warp, not yet written). The consumer's own
+// norm scale multiplies t in the epilogue. Every thread of the block calls it.
+#define FED_LOADS 24
+__device__ __forceinline__ void qmv4_fed(const Epi& e, int warp, int lane, int nw, float* sm,
+                                         float* t) {
+    float s = 0.f;
+    if (lane < e.rtot) {
+        float v[FED_LOADS];
+#pragma unroll
+        for (int i = 0; i < FED_LOADS; i++) {
+            const int b = warp + i * nw;
+            v[i] = b < e.fed_blocks ? __ldcg(e.fed_slots + (size_t)b * 32 + lane) : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < FED_LOADS; i++) s += v[i];
+        for (int b = warp + FED_LOADS * nw; b < e.fed_blocks; b += nw)
+            s += __ldcg(e.fed_slots + (size_t)b * 32 + lane);
+    }
+    sm[warp * 32 + lane] = s;
+    __syncthreads();
+    if (warp == 0) {
+        float v = 0.f;
+        for (int w = 0; w < nw; w++) v += sm[w * 32 + lane];
+        t[lane] = v;
+    }
+    // staging overwrites sm
+    __syncthreads();
+}
+
+// Lane j's entries of A' (`Epi::feed_at`) for a pass's ROWS rows, loaded before the pass so
+// that the epilogue does not wait on them.
+template <int ROWS>
+__device__ __forceinline__ void qmv4_feed_rows(float* fa, const Epi& e, int row0, int lane, int N) {
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        const bool on = e.feed_at && lane < e.feed_r && row0 + r < N && !(e.swiglu && (r & 1));
+        const int n = e.swiglu ? (row0 + r) / 2 : row0 + r;
+        fa[r] = on ? __ldg(e.feed_at + (size_t)n * e.feed_r + lane) : 0.f;
+    }
+}
+
+// The end of a decode kernel that makes the next projection's A products (`Epi::feed_*`):
+// the teams' sums added in team order into this block's slot. Every thread calls it.
+__device__ __forceinline__ void qmv4_feed(float feed, const Epi& e, int lane, int team, int member,
+                                          int teams, float* sm) {
+    __syncthreads();
+    if (member == 0) sm[team * 32 + lane] = feed;
+    __syncthreads();
+    if (threadIdx.x >= 32) return;
+    float s = 0.f;
+    for (int t = 0; t < teams; t++) s += sm[t * 32 + lane];
+    e.feed_slots[blockIdx.x * 32 + lane] = s;
 }
 
 // One step of a warp's ROWS rows: 32 codes (16 bytes) of each from code k, and the scale and
@@ -245,6 +316,13 @@ __device__ void qmv4(const float* __restrict__ x, const uint8_t* __restrict__ w,
     qmv4_load<ROWS>(cur, w, scales, biases, blockIdx.x * rpb + team * ROWS, tl * 32, N, K,
                     group_size, sdtype);
     pdl_wait();
+    __shared__ float fed_t[32];
+    Epi ef = e;
+    // feeds only on the two-row instances (the layers' projections; not the head's four)
+    if constexpr (ROWS == 2) if (e.fed_slots) {
+        qmv4_fed(e, warp, lane, nw, (float*)xsm, fed_t);
+        ef.lora_t = fed_t;
+    }
     // x is staged once, in one pass: times the norm's weight, pre-divided by 16^j for the
     // nibble position it meets, with the sum of each lane-step's 32 values beside it; the
     // norm's row scale multiplies the finished dot products
@@ -282,8 +360,13 @@ __device__ void qmv4(const float* __restrict__ x, const uint8_t* __restrict__ w,
         for (int i = 0; i < nw; i++) t += part[i];
         rn = rsqrtf(t / (float)K + eps);
     }
+    float feed = 0.f;
+    // with a feed the epilogue scales the fed t by this kernel's norm scale
+    const float ts = ROWS == 2 && e.fed_slots ? rn : 1.f;
     for (int pass = blockIdx.x; pass < passes; pass += gridDim.x) {
         const int row0 = pass * rpb + team * ROWS;
+        float fa[ROWS] = {};
+        if constexpr (ROWS == 2) qmv4_feed_rows<ROWS>(fa, e, row0, lane, N);
         float acc[ROWS];
 #pragma unroll
         for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
@@ -325,8 +408,9 @@ __device__ void qmv4(const float* __restrict__ x, const uint8_t* __restrict__ w,
             }
             cur = nxt;
         }
-        qmv4_finish<ROWS, KW>(acc, rn, row0, lane, team, member, N, y, e, red);
+        qmv4_finish<ROWS, KW>(acc, rn, row0, lane, team, member, N, y, ef, red, ts, fa, feed);
     }
+    if constexpr (ROWS == 2) if (e.feed_at) qmv4_feed(feed, e, lane, team, member, nw / KW, (float*)xsm);
 }
 
 // qmv4q_m1_r2/_r4 (decode at 4 bits, the fast kernel): qmv4's rows, grid and weight loads, but x
@@ -358,6 +442,13 @@ __device__ void qmv4q(const float* __restrict__ x, const uint8_t* __restrict__ w
     qmv4_load<ROWS>(cur, w, scales, biases, blockIdx.x * rpb + team * ROWS, tl * 32, N, K,
                     group_size, sdtype);
     pdl_wait();
+    __shared__ float fed_t[32];
+    Epi ef = e;
+    // feeds only on the two-row instances (the layers' projections; not the head's four)
+    if constexpr (ROWS == 2) if (e.fed_slots) {
+        qmv4_fed(e, warp, lane, nw, (float*)xq, fed_t);
+        ef.lora_t = fed_t;
+    }
     // a thread stages 8 values (a unit); a lane-step's 32 are 4 consecutive threads. Two units
     // a thread are loaded before either is used, halving the round trips to L2.
     const float4* x4 = (const float4*)x;
@@ -423,8 +514,13 @@ __device__ void qmv4q(const float* __restrict__ x, const uint8_t* __restrict__ w
         for (int i = 0; i < nw; i++) t += part[i];
         rn = rsqrtf(t / (float)K + eps);
     }
+    float feed = 0.f;
+    // with a feed the epilogue scales the fed t by this kernel's norm scale
+    const float ts = ROWS == 2 && e.fed_slots ? rn : 1.f;
     for (int pass = blockIdx.x; pass < passes; pass += gridDim.x) {
         const int row0 = pass * rpb + team * ROWS;
+        float fa[ROWS] = {};
+        if constexpr (ROWS == 2) qmv4_feed_rows<ROWS>(fa, e, row0, lane, N);
         float acc[ROWS];
 #pragma unroll
         for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
@@ -454,8 +550,9 @@ __device__ void qmv4q(const float* __restrict__ x, const uint8_t* __restrict__ w
             }
             cur = nxt;
         }
-        qmv4_finish<ROWS, KW>(acc, rn, row0, lane, team, member, N, y, e, red);
+        qmv4_finish<ROWS, KW>(acc, rn, row0, lane, team, member, N, y, ef, red, ts, fa, feed);
     }
+    if constexpr (ROWS == 2) if (e.feed_at) qmv4_feed(feed, e, lane, team, member, nw / KW, (float*)xq);
 }
 
 // Instances: qmv4[q]_m1_r<ROWS> with one warp to a team, qmv4[q]_m1_r<ROWS>_k<KW> with KW; at

@@ -49,6 +49,13 @@ pub(crate) struct Epi {
     pub seg2: i32,
     pub pairs: i32,
     pub swiglu: i32,
+    /// LoRA A products made by the decode kernel before the one that needs them (`Epi` in
+    /// common.cuh).
+    pub feed_at: u64,
+    pub feed_slots: u64,
+    pub fed_slots: u64,
+    pub feed_r: i32,
+    pub fed_blocks: i32,
 }
 
 // SAFETY: `Epi` is `#[repr(C)]` plain data laid out as the C struct of the same name.
@@ -115,6 +122,7 @@ fn qmv4_fwd(
     let func = dev
         .get_or_load_custom_func(kernel, MODULE, PTX)?
         .into_cuda_function();
+    let smem = feed_smem(smem, 32 * warps, &epi);
     func.set_attribute(
         sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
         smem as i32,
@@ -144,6 +152,16 @@ fn qmv4_fwd(
     // SAFETY: the arguments match qmv4(q)_m1_r*'s signature; x holds k floats, y n.
     unsafe { b.launch(cfg) }.w()?;
     Ok(y)
+}
+
+/// The dynamic shared memory of a 4-bit decode launch: with a LoRA feed (`Epi::feed_*`,
+/// `fed_*`) the kernel sums through the staging memory, a float a thread at least.
+pub(crate) fn feed_smem(smem: usize, threads: usize, epi: &Epi) -> usize {
+    if epi.feed_at != 0 || epi.fed_slots != 0 {
+        smem.max(4 * threads)
+    } else {
+        smem
+    }
 }
 
 /// `x (..., cols) -> (..., rows)` on the GPU, as `plan::matmul` says.
@@ -589,6 +607,158 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// LoRA A products made by the decode kernel before (`Epi::feed_*`, `fed_*`): a producer
+    /// writes per block `Σ y_n · at[n, j]` over its outputs y (the residual added; with SwiGLU
+    /// over silu(gate) · up); a consumer adds the blocks' sums times its norm's row scale and
+    /// uses them as its LoRA t: its output equals the same kernel given the host's sums as t
+    /// directly. Every two-row instance (the ones that carry the feed), producer grids of 3
+    /// blocks and a full one, 8 to 32 ranks, and 700 producer blocks (more than a warp's
+    /// loads issued at once).
+    #[test]
+    fn decode_kernels_feed_the_next_lora() {
+        let dev = Device::new_cuda(0).expect("a `cuda` build's tests need a GPU");
+        let Device::Cuda(cd) = &dev else {
+            unreachable!("a CUDA device")
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(23);
+        let (rows, cols) = (300usize, 3072usize);
+        let w = random_qmatrix(rows, cols, 4, 64, Dtype::BF16, 29);
+        let g = resident(&w, cd).unwrap();
+        let p = QParams::new(&w, 1);
+        let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1f32..1.0)).collect();
+        let res: Vec<f32> = (0..rows).map(|_| rng.random_range(-2f32..2.0)).collect();
+        let (xs, rs) = (cd.clone_htod(&x).unwrap(), cd.clone_htod(&res).unwrap());
+        let stream = cd.cuda_stream();
+        let mut slots = cd.alloc_zeros::<f32>(32 * 1024).unwrap();
+        // the consumer: 150 rows reading the producer's output (300, or 150 with SwiGLU)
+        let (crows, ccols) = (150usize, 256usize);
+        let cw = random_qmatrix(crows, ccols, 4, 64, Dtype::BF16, 31);
+        let cg = resident(&cw, cd).unwrap();
+        let cp = QParams::new(&cw, 1);
+        let cx: Vec<f32> = (0..ccols).map(|_| rng.random_range(-1f32..1.0)).collect();
+        let cxs = cd.clone_htod(&cx).unwrap();
+        for (swiglu, fr) in [(false, 24usize), (true, 8), (false, 32)] {
+            let ny = if swiglu { rows / 2 } else { rows };
+            let at: Vec<f32> = (0..ny * fr).map(|_| rng.random_range(-1f32..1.0)).collect();
+            let ats = cd.clone_htod(&at).unwrap();
+            let bt: Vec<f32> = (0..crows * fr)
+                .map(|_| rng.random_range(-0.5f32..0.5))
+                .collect();
+            let bts = cd.clone_htod(&bt).unwrap();
+            let producer = Epi {
+                residual: if swiglu { 0 } else { rs.device_ptr(&stream).0 },
+                swiglu: swiglu as i32,
+                feed_at: ats.device_ptr(&stream).0,
+                feed_slots: slots.device_ptr(&stream).0,
+                feed_r: fr as i32,
+                ..Epi::default()
+            };
+            let lora = Epi {
+                lora_bt: bts.device_ptr(&stream).0,
+                r: fr as i32,
+                rtot: fr as i32,
+                seg1: crows as i32,
+                seg2: crows as i32,
+                ..Epi::default()
+            };
+            for kernel in [Numerics::Exact, Numerics::Fast] {
+                // the two-row instances carry the feed (the step feeds only through them)
+                for (rows_w, warps, k_warps) in [(2, 16, 1), (2, 8, 1), (2, 32, 2), (2, 16, 4)] {
+                    let block = plan::DecodeBlock::new(rows_w, warps, k_warps).unwrap();
+                    let plan = plan::decode4_with(rows, cols, kernel, block);
+                    let cplan = plan::decode4_with(crows, ccols, kernel, block);
+                    for grid in [Some(3), None] {
+                        stream
+                            .memcpy_htod(&[f32::NAN; 32 * 1024], &mut slots)
+                            .unwrap();
+                        let y = qmv4_fwd(cd, &g, &p, plan, &xs.slice(..), grid, producer).unwrap();
+                        let y = &cd.clone_dtoh(&y).unwrap()[..ny];
+                        let t: Vec<f32> = (0..fr)
+                            .map(|j| {
+                                let s: f64 =
+                                    (0..ny).map(|n| y[n] as f64 * at[n * fr + j] as f64).sum();
+                                s as f32
+                            })
+                            .collect();
+                        let blocks = match plan {
+                            Matmul::Decode4 { passes, .. } => {
+                                grid.map_or(passes, |g| g.min(passes))
+                            }
+                            _ => unreachable!("a decode plan"),
+                        };
+                        let ts = cd.clone_htod(&t).unwrap();
+                        let direct = Epi {
+                            lora_t: ts.device_ptr(&stream).0,
+                            ..lora
+                        };
+                        let fed = Epi {
+                            fed_slots: slots.device_ptr(&stream).0,
+                            fed_blocks: blocks as i32,
+                            ..lora
+                        };
+                        let want =
+                            qmv4_fwd(cd, &cg, &cp, cplan, &cxs.slice(..), None, direct).unwrap();
+                        let got = qmv4_fwd(cd, &cg, &cp, cplan, &cxs.slice(..), None, fed).unwrap();
+                        let (want, got) =
+                            (cd.clone_dtoh(&want).unwrap(), cd.clone_dtoh(&got).unwrap());
+                        let label = format!("swiglu {swiglu} r {fr} {plan:?} grid {grid:?}");
+                        assert!(
+                            got.iter().all(|v| v.is_finite()),
+                            "{label}: a slot not written"
+                        );
+                        let e = rel_err(&got, &want);
+                        assert!(e <= 1e-5, "{label}: rel err {e:.2e}");
+                    }
+                }
+            }
+        }
+        // many producer blocks (past the loads issued at once): slots written here
+        let (blocks, fr) = (700usize, 16usize);
+        let sl: Vec<f32> = (0..blocks * 32)
+            .map(|_| rng.random_range(-1f32..1.0))
+            .collect();
+        stream.memcpy_htod(&sl, &mut slots).unwrap();
+        let t: Vec<f32> = (0..fr)
+            .map(|j| (0..blocks).map(|b| sl[b * 32 + j] as f64).sum::<f64>() as f32)
+            .collect();
+        let ts = cd.clone_htod(&t).unwrap();
+        let bt: Vec<f32> = (0..crows * fr)
+            .map(|_| rng.random_range(-0.5f32..0.5))
+            .collect();
+        let bts = cd.clone_htod(&bt).unwrap();
+        let lora = Epi {
+            lora_bt: bts.device_ptr(&stream).0,
+            r: fr as i32,
+            rtot: fr as i32,
+            seg1: crows as i32,
+            seg2: crows as i32,
+            ..Epi::default()
+        };
+        let direct = Epi {
+            lora_t: ts.device_ptr(&stream).0,
+            ..lora
+        };
+        let fed = Epi {
+            fed_slots: slots.device_ptr(&stream).0,
+            fed_blocks: blocks as i32,
+            ..lora
+        };
+        for (rows_w, warps, k_warps) in [(2, 16, 1), (2, 8, 1), (2, 32, 2)] {
+            let block = plan::DecodeBlock::new(rows_w, warps, k_warps).unwrap();
+            let cplan = plan::decode4_with(crows, ccols, Numerics::Fast, block);
+            let want = qmv4_fwd(cd, &cg, &cp, cplan, &cxs.slice(..), None, direct).unwrap();
+            let got = qmv4_fwd(cd, &cg, &cp, cplan, &cxs.slice(..), None, fed).unwrap();
+            let e = rel_err(
+                &cd.clone_dtoh(&got).unwrap(),
+                &cd.clone_dtoh(&want).unwrap(),
+            );
+            assert!(
+                e <= 1e-5,
+                "{blocks} producer blocks, {cplan:?}: rel err {e:.2e}"
+            );
         }
     }
 

@@ -66,6 +66,36 @@ pub(super) struct Buffers {
     pub(super) ids: CudaSlice<u32>,
 }
 
+/// Where decode kernels leave the next projection's LoRA A products (`Epi::feed_*`): 32
+/// floats a block of the producer, in two regions, because gate|up reads what o wrote while
+/// it writes what down reads (o and down write the first, gate|up the second).
+pub(super) struct FeedBufs {
+    pub(super) slots: CudaSlice<f32>,
+    pub(super) blocks: usize,
+}
+
+/// `FeedBufs::slots`' regions.
+#[derive(Clone, Copy)]
+pub(super) enum FeedTo {
+    First = 0,
+    Second = 1,
+}
+
+impl FeedBufs {
+    pub(super) fn new(dev: &CudaDevice, blocks: usize) -> Result<Self> {
+        let blocks = blocks.max(1);
+        Ok(FeedBufs {
+            slots: dev.alloc_zeros::<f32>(2 * blocks * 32)?,
+            blocks,
+        })
+    }
+
+    /// The device address of a region.
+    pub(super) fn region(&self, to: FeedTo, stream: &CudaStream) -> u64 {
+        ptr(&self.slots, stream) + (to as u64) * (self.blocks * 32 * 4) as u64
+    }
+}
+
 /// Per-layer K and V for `cap` positions, (cap, n_kv, head_dim), and the RoPE tables.
 pub(super) struct Cache {
     pub(super) cap: usize,

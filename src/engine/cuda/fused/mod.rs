@@ -26,7 +26,7 @@ use candle_core::CudaDevice;
 
 use crate::engine::cuda::plan::{self, qmv4_smem, qmv4q_smem, Matmul};
 use crate::engine::cuda::quant::{
-    qmv4_grid, resident, Epi, GpuQMatrix, MODULE as QMODULE, PTX as QPTX,
+    feed_smem, qmv4_grid, resident, Epi, GpuQMatrix, MODULE as QMODULE, PTX as QPTX,
 };
 use crate::engine::cuda::sample;
 use crate::engine::error::{EngineError, Result};
@@ -44,7 +44,7 @@ mod launch;
 mod step;
 mod weights;
 
-use buffers::{Buffers, Cache, Dims};
+use buffers::{Buffers, Cache, Dims, FeedBufs, FeedTo};
 pub(crate) use eligible::unsupported;
 use kernels::AttentionIo;
 use launch::{pdl_available, ptr, Arg};
@@ -103,6 +103,9 @@ pub struct FusedQwen3 {
     pdl: bool,
     max_rtot: usize,
     bufs: Buffers,
+    /// Decode's LoRA A products made by the kernel before (`None`: by `lora_a_f32` always,
+    /// `BOT_CUDA_LORA_FEED=0`).
+    feed: Option<FeedBufs>,
     cache: Cache,
     pos: CudaSlice<i32>,
     mode: CudaStep,
@@ -173,11 +176,17 @@ impl FusedQwen3 {
         };
         let mut layers = Vec::new();
         let mut max_rtot = 1;
+        let host = |t: &candle_core::Tensor| -> Result<Vec<f32>> {
+            Ok(t.flatten_all()?
+                .to_dtype(candle_core::DType::F32)?
+                .to_vec1::<f32>()?)
+        };
         for (l, norms) in m.layers.iter().map(|l| (l.linears, l.norms)) {
-            let qkv = Proj::new(dev, &l[0..3], false)?;
-            let o = Proj::new(dev, &l[3..4], false)?;
-            let gu = Proj::new(dev, &l[4..6], true)?;
-            let down = Proj::new(dev, &l[6..7], false)?;
+            let (inn, post) = (host(norms[0])?, host(norms[1])?);
+            let qkv = Proj::new(dev, &l[0..3], false, Some(&inn))?;
+            let o = Proj::new(dev, &l[3..4], false, None)?;
+            let gu = Proj::new(dev, &l[4..6], true, Some(&post))?;
+            let down = Proj::new(dev, &l[6..7], false, None)?;
             for p in [&qkv, &o, &gu, &down] {
                 if let Some(lo) = &p.lora {
                     max_rtot = max_rtot.max(lo.rtot);
@@ -209,11 +218,13 @@ impl FusedQwen3 {
             .unwrap_or(0);
         let widest = widest.max(d.h);
         for name in plan::decode_kernels() {
+            // a LoRA feed sums through the staging memory: a float a thread (1024 at most)
             let smem = if name.starts_with("qmv4q") {
                 qmv4q_smem(widest)
             } else {
                 qmv4_smem(widest)
-            };
+            }
+            .max(4 * 1024);
             if let Some(f) = funcs.get(name) {
                 f.set_attribute(
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -263,6 +274,17 @@ impl FusedQwen3 {
         }
         shape(&mut head)?;
         let bufs = Buffers::new(dev, &d, 1, max_rtot)?;
+        let most_blocks = layers
+            .iter()
+            .flat_map(|l| [&l.o, &l.gu, &l.down])
+            .map(|p| p.decode.grid)
+            .max()
+            .unwrap_or(0);
+        let feed = match std::env::var("BOT_CUDA_LORA_FEED").as_deref() {
+            Ok("0") => None,
+            _ if max_rtot > 1 => Some(FeedBufs::new(dev, most_blocks)?),
+            _ => None,
+        };
         let cache = Cache::new(dev, &d, c.num_hidden_layers, 256)?;
         Ok(FusedQwen3 {
             stream: dev.cuda_stream(),
@@ -277,6 +299,7 @@ impl FusedQwen3 {
             pdl,
             max_rtot,
             bufs,
+            feed,
             cache,
             pos: dev.alloc_zeros::<i32>(1)?,
             mode,

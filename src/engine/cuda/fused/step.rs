@@ -3,7 +3,50 @@
 
 use super::*;
 
+/// How a decode projection's LoRA A products travel (`FeedBufs`): made by the kernel before
+/// it, and/or made here for the projection after it.
+#[derive(Clone, Copy, Default)]
+pub(super) struct Link {
+    /// This projection's A products are in this region, the sums of that many blocks.
+    pub(super) fed: Option<(FeedTo, usize)>,
+    /// This kernel makes the next projection's A products (its `feed_at` and ranks) there.
+    pub(super) feeds: Option<(FeedTo, u64, usize)>,
+}
+
+/// Whether a projection's decode kernel carries the feed code: the two-row instances (every
+/// layer projection's; the head's four-row one is kept free of it).
+fn feedable(p: &Proj) -> bool {
+    p.bits == 4 && p.decode.f.contains("_r2")
+}
+
 impl FusedQwen3 {
+    /// `to`'s `feed_at` and rank total, where a 4-bit decode kernel can make its A products:
+    /// `to` takes a feedable decode kernel too, has LoRA of at most 32 ranks in all (a lane
+    /// each), and feeds are on.
+    fn feed_of(&self, to: &Proj) -> Option<(u64, usize)> {
+        let l = to.lora.as_ref()?;
+        (self.feed.is_some() && feedable(to) && l.rtot <= 32)
+            .then(|| (ptr(&l.feed_at, &self.stream), l.rtot))
+    }
+
+    /// The link between `from` and the projection `to` that reads its output, at decode (a
+    /// 4-bit producer too), through `region`: what each of the two is told.
+    fn link(&self, on: bool, from: &Proj, to: &Proj, region: FeedTo) -> (Link, Link) {
+        match self.feed_of(to) {
+            Some((at, r)) if on && feedable(from) => (
+                Link {
+                    feeds: Some((region, at, r)),
+                    ..Link::default()
+                },
+                Link {
+                    fed: Some((region, from.decode.grid)),
+                    ..Link::default()
+                },
+            ),
+            _ => (Link::default(), Link::default()),
+        }
+    }
+
     /// `y (rows, p.n) = x (rows, p.k) @ W^T`, plus LoRA and `residual` (which may be `y`).
     /// With `norm`, x is RMS-normalized with that weight first: where `fuse` allows, inside the
     /// decode matmul or the prompt's `x_to_f16p` (and the LoRA A product), else by its own kernel.
@@ -18,9 +61,11 @@ impl FusedQwen3 {
         residual: u64,
         norm: Option<&CudaSlice<f32>>,
         fuse: bool,
+        link: Link,
     ) -> Result<()> {
         let st = &self.stream;
         let decode = rows == 1 && p.bits == 4;
+        let feed = self.feed.as_ref().filter(|_| decode);
         // gate|up: the decode kernel writes SwiGLU's output to `act` directly
         let y = if p.interleaved && decode {
             ptr(&self.bufs.act, st)
@@ -63,9 +108,24 @@ impl FusedQwen3 {
             swiglu: (p.interleaved && decode) as i32,
             ..Epi::default()
         };
+        if let (Some(f), Some((to, at, r))) = (feed, link.feeds) {
+            epi.feed_at = at;
+            epi.feed_slots = f.region(to, st);
+            epi.feed_r = r as i32;
+        }
         if let Some(l) = &p.lora {
-            let t = ptr(&self.bufs.t, st);
-            self.lora_a(x, ptr(&l.at, st), t, (rows, p.k, l.rtot), nw)?;
+            let t = match (feed, link.fed) {
+                (Some(f), Some((from, blocks))) => {
+                    epi.fed_slots = f.region(from, st);
+                    epi.fed_blocks = blocks as i32;
+                    0
+                }
+                _ => {
+                    let t = ptr(&self.bufs.t, st);
+                    self.lora_a(x, ptr(&l.at, st), t, (rows, p.k, l.rtot), nw)?;
+                    t
+                }
+            };
             epi.lora_t = t;
             epi.lora_bt = ptr(&l.bt, st);
             epi.r = l.r as i32;
@@ -95,7 +155,8 @@ impl FusedQwen3 {
                 Arg::E(epi),
             ];
             let s = p.decode;
-            return self.launch_as(tag, s.f, (s.grid, 1), s.threads, s.smem, &a);
+            let smem = feed_smem(s.smem, s.threads, &epi);
+            return self.launch_as(tag, s.f, (s.grid, 1), s.threads, smem, &a);
         }
         let a = [
             Arg::P(x),
@@ -247,8 +308,22 @@ impl FusedQwen3 {
         keep(&mut hidden, &b.x, m * d.h)?;
         // the final norm's output is a hidden state, so it is materialized when kept
         let fuse = hidden.is_none();
+        // at decode, each LoRA A product the kernel before can make is made there: o's for
+        // gate|up, gate|up's for down, down's for the next layer's q|k|v
+        let on = m == 1 && fuse;
+        let mut qkv_link = Link::default();
         for (i, l) in self.layers.iter().enumerate() {
-            self.proj("qkv_proj", &l.qkv, x, m, qkv, 0, Some(&l.in_norm), fuse)?;
+            self.proj(
+                "qkv_proj",
+                &l.qkv,
+                x,
+                m,
+                qkv,
+                0,
+                Some(&l.in_norm),
+                fuse,
+                qkv_link,
+            )?;
             let io = AttentionIo {
                 qkv,
                 q_norm: ptr(&l.q_norm, st),
@@ -266,12 +341,28 @@ impl FusedQwen3 {
                 self.qk_norm_rope_cache(&io, pos, m)?;
                 self.attention(&io, pos, m)?;
             }
-            self.proj("o_proj", &l.o, ao, m, x, x, None, fuse)?;
-            self.proj("gate_up_proj", &l.gu, x, m, gu, 0, Some(&l.post_norm), fuse)?;
+            let (o_link, gu_fed) = self.link(on, &l.o, &l.gu, FeedTo::First);
+            self.proj("o_proj", &l.o, ao, m, x, x, None, fuse, o_link)?;
+            let (gu_feeds, down_fed) = self.link(on, &l.gu, &l.down, FeedTo::Second);
+            let gu_link = Link {
+                fed: gu_fed.fed,
+                feeds: gu_feeds.feeds,
+            };
+            let post = Some(&l.post_norm);
+            self.proj("gate_up_proj", &l.gu, x, m, gu, 0, post, fuse, gu_link)?;
             if !(m == 1 && l.gu.bits == 4) {
                 self.swiglu(gu, act, m)?;
             }
-            self.proj("down_proj", &l.down, act, m, x, x, None, fuse)?;
+            let (down_feeds, next_fed) = match self.layers.get(i + 1) {
+                Some(n) => self.link(on, &l.down, &n.qkv, FeedTo::First),
+                None => (Link::default(), Link::default()),
+            };
+            qkv_link = next_fed;
+            let down_link = Link {
+                fed: down_fed.fed,
+                feeds: down_feeds.feeds,
+            };
+            self.proj("down_proj", &l.down, act, m, x, x, None, fuse, down_link)?;
             keep(&mut hidden, &b.x, m * d.h)?;
         }
         let rows = if all_logits { m } else { 1 };
@@ -288,6 +379,7 @@ impl FusedQwen3 {
                 0,
                 None,
                 fuse,
+                Link::default(),
             )?;
             return match sample {
                 Some(p) => self.sample(p),
@@ -303,6 +395,7 @@ impl FusedQwen3 {
             0,
             Some(&self.norm),
             fuse,
+            Link::default(),
         )?;
         match sample {
             Some(p) => self.sample(p),

@@ -29,9 +29,13 @@ pub(super) struct DecodeShape {
 }
 
 /// LoRA of a `Proj`: `at` (rtot, k) holds each part's A transposed, rank-padded to `r`; `bt`
-/// (n, r) each output's column of B, times the adapter scale.
+/// (n, r) each output's column of B, times the adapter scale. `feed_at` (k, rtot) is `at`
+/// transposed back, each input's row times the weight of the projection's input RMSNorm (if
+/// any): what the decode kernel that writes this projection's input reads to make its A
+/// product (`Epi::feed_at`).
 pub(super) struct ProjLora {
     pub(super) at: CudaSlice<f32>,
+    pub(super) feed_at: CudaSlice<f32>,
     pub(super) bt: CudaSlice<f32>,
     pub(super) r: usize,
     pub(super) rtot: usize,
@@ -73,15 +77,21 @@ impl Proj {
     }
 
     /// Projections sharing their input, their weights concatenated by output rows, or with
-    /// `interleave` (parts of equal size) alternating row by row.
-    pub(super) fn new(dev: &CudaDevice, parts: &[&Linear], interleave: bool) -> Result<Self> {
+    /// `interleave` (parts of equal size) alternating row by row; `norm`: the weight of the
+    /// RMSNorm their input passes first, if any.
+    pub(super) fn new(
+        dev: &CudaDevice,
+        parts: &[&Linear],
+        interleave: bool,
+        norm: Option<&[f32]>,
+    ) -> Result<Self> {
         let qs: Vec<&QMatrix> = parts
             .iter()
             .map(|l| quant(&l.weight).map(|a| a.as_ref()))
             .collect::<Option<_>>()
             .ok_or_else(|| EngineError::Internal("fused step: dense projection".into()))?;
         let interleave = interleave && qs.len() > 1 && qs.iter().all(|q| q.rows == qs[0].rows);
-        let lora = ProjLora::new(dev, parts, &qs, interleave)?;
+        let lora = ProjLora::new(dev, parts, &qs, interleave, norm)?;
         if qs.len() == 1 {
             return Ok(Proj {
                 lora,
@@ -126,6 +136,7 @@ impl ProjLora {
         parts: &[&Linear],
         qs: &[&QMatrix],
         interleave: bool,
+        norm: Option<&[f32]>,
     ) -> Result<Option<Self>> {
         let branches: Vec<Option<&LoraBranch>> = parts.iter().map(|l| l.lora.as_ref()).collect();
         if branches.iter().all(Option::is_none) {
@@ -168,8 +179,17 @@ impl ProjLora {
             off += q.rows;
         }
         let seg = |i: usize| qs.iter().take(i).map(|q| q.rows).sum::<usize>().min(n);
+        let mut feed_at = vec![0f32; k * rtot];
+        for (kk, row) in feed_at.chunks_exact_mut(rtot).enumerate() {
+            let g = norm.map_or(1.0, |w| w[kk]);
+            for (j, v) in row.iter_mut().enumerate() {
+                // the product `lora_a_f32` forms, so only the order of the sums differs
+                *v = at[j * k + kk] * g;
+            }
+        }
         Ok(Some(ProjLora {
             at: dev.clone_htod(&at)?,
+            feed_at: dev.clone_htod(&feed_at)?,
             bt: dev.clone_htod(&bt)?,
             r,
             rtot,
