@@ -46,7 +46,7 @@ impl FusedQwen3 {
         smem: usize,
         args: &[Arg],
     ) -> Result<()> {
-        self.launch_grid(tag, f, (grid.0, grid.1, 1), block, smem, args)
+        self.launch_with(tag, f, (grid.0, grid.1, 1), block, smem, args, false)
     }
 
     /// `launch_as` with a 3-D grid and no dynamic shared memory.
@@ -58,22 +58,10 @@ impl FusedQwen3 {
         block: usize,
         args: &[Arg],
     ) -> Result<()> {
-        self.launch_grid(tag, f, grid, block, 0, args)
+        self.launch_with(tag, f, grid, block, 0, args, false)
     }
 
-    pub(super) fn launch_grid(
-        &self,
-        tag: &'static str,
-        f: &str,
-        grid: (usize, usize, usize),
-        block: usize,
-        smem: usize,
-        args: &[Arg],
-    ) -> Result<()> {
-        self.launch_with(tag, f, grid, block, smem, args, false)
-    }
-
-    /// `launch_grid`, optionally as a cooperative launch: the driver then refuses a grid whose
+    /// A launch with a 3-D grid, optionally cooperative: the driver then refuses a grid whose
     /// blocks cannot all be resident at once (the grid sampler's barriers need them all)
     /// instead of starting one that would wait forever.
     #[allow(clippy::too_many_arguments)]
@@ -132,7 +120,7 @@ impl FusedQwen3 {
         Ok(())
     }
 
-    /// `launch_grid` through `cuLaunchKernelEx`: with `pdl`, programmatic stream serialization
+    /// `launch_with` through `cuLaunchKernelEx`: with `pdl`, programmatic stream serialization
     /// (the kernel may start while the previous one still runs and waits for it in
     /// `pdl_wait()`, `cuda/common.cuh`; stream capture records this as a programmatic graph
     /// edge); with `cooperative`, a cooperative launch.
@@ -194,7 +182,7 @@ impl FusedQwen3 {
         };
         self.stream.context().bind_to_thread().w()?;
         // SAFETY: `params` points at one value per parameter of the kernel's C signature, in
-        // order (each call site's contract, as for `launch_grid`), alive for the call, and
+        // order (each call site's contract, as for `launch_with`), alive for the call, and
         // `attrs` holds `numAttrs` attributes.
         unsafe {
             sys::cuLaunchKernelEx(
