@@ -200,10 +200,10 @@ pub fn parse_block_overrides(v: &str) -> Result<Vec<(usize, usize, DecodeBlock)>
 }
 
 /// Whether a prompt product takes `qmm4_f16`: 4 bits, K a multiple of its 128-code step, groups
-/// of whole 32-code runs, and scales that fp16 holds exactly (bf16 and f16 do; f32 would be
-/// rounded).
+/// of 32, 64 or 128 codes (a power of two: the kernel shifts), and scales that fp16 holds
+/// exactly (bf16 and f16 do; f32 would be rounded).
 pub fn f16_prompt(p: &QParams) -> bool {
-    p.bits == 4 && p.k % 128 == 0 && p.group_size % 32 == 0 && p.group_size <= 128 && p.sdtype != 2
+    p.bits == 4 && p.k % 128 == 0 && matches!(p.group_size, 32 | 64 | 128) && p.sdtype != 2
 }
 
 /// Blocks (128 weight rows by 64 x rows) of `qmm4_f16` an H100 holds at once: three an SM of
@@ -226,6 +226,10 @@ pub fn qmm4_kernel() -> &'static str {
         "qmm4_f16"
     }
 }
+
+/// The most K splits of a `qmm4_f16` tile that can add their partials in one thread-block
+/// cluster: 8 blocks is the portable cluster size.
+pub const QMM4_CLUSTER_SPLITS: usize = 8;
 
 /// K splits for `qmm4_f16`: the most that keep the grid in one wave of the GPU (a second,
 /// partial wave would leave most SMs idle while it runs), each split a whole number of

@@ -25,6 +25,7 @@
 //
 // Scales and biases arrive raw, in the file's dtype: 0 = bf16, 1 = f16, 2 = f32.
 
+#include <cooperative_groups.h>
 #include <mma.h>
 #include "common.cuh"
 
@@ -704,14 +705,22 @@ extern "C" __global__ void qmm_tf32_sk(const float* __restrict__ x, const uint8_
              ws + (size_t)z * M * N);
 }
 
-// y = epilogue(sum of the splits' partials), in split order (deterministic). 256 threads.
+// y = epilogue(sum of the splits' partials), in split order (deterministic). 256 threads. Up
+// to 16 partials are loaded before the first add: one round trip to L2, not one a split.
+#define REDUCE_LOADS 16
 extern "C" __global__ void qmm_reduce(const float* __restrict__ ws, float* y, int M, int N,
                                       int splits, Epi e) {
     PDL_ENTRY();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x, mn = (size_t)M * N;
     if (i >= mn) return;
+    float p[REDUCE_LOADS];
+#pragma unroll
+    for (int z = 0; z < REDUCE_LOADS; z++) p[z] = z < splits ? __ldcg(ws + z * mn + i) : 0.f;
     float v = 0.f;
-    for (int z = 0; z < splits; z++) v += ws[z * mn + i];
+#pragma unroll
+    for (int z = 0; z < REDUCE_LOADS; z++)
+        if (z < splits) v += p[z];
+    for (int z = REDUCE_LOADS; z < splits; z++) v += __ldcg(ws + z * mn + i);
     y[i] = epilogue(v, (int)(i / N), (int)(i % N), N, e);
 }
 
@@ -729,7 +738,9 @@ extern "C" __global__ void qmm_reduce(const float* __restrict__ ws, float* y, in
 //
 // Block: 4 warps; 128 weight rows (32 a warp: two m16 tiles) by 64 x rows (eight n8 tiles).
 // Grid (ceil(N / 128), ceil(M / 64), splits); K / splits must be a multiple of 128. With
-// splits > 1 the raw partials go to ws (qmm_reduce adds them and applies the epilogue).
+// splits > 1 the raw partials go to ws (qmm_reduce adds them and applies the epilogue), or,
+// with `cluster` (sm_90, launched as clusters of (1, 1, splits) blocks, splits <= 8), the
+// cluster adds them (`qmm4_cluster_reduce`).
 
 #define Q16_BN 128
 #define Q16_BM 64
@@ -758,10 +769,68 @@ __device__ __forceinline__ unsigned int deq_pair(unsigned int v, int i, __half2 
     return *(const unsigned int*)&r;
 }
 
+// A group's scale or bias, raw (bf16 or f16 bits), as the f16x2 pair the dequantization takes.
+__device__ __forceinline__ __half2 param_h2(unsigned int raw, int sdtype) {
+    const float f = sdtype == 0 ? __uint_as_float(raw << 16) : __half2float(__ushort_as_half((unsigned short)raw));
+    return __float2half2_rn(f);
+}
+
+#if __CUDA_ARCH__ >= 900
+// The K splits of a tile, one thread-block cluster (1, 1, splits), add their partials through
+// distributed shared memory instead of a workspace and a `qmm_reduce` launch: each block puts
+// its scaled partial tile in its own shared memory (the x stages, done with), then block z adds
+// a 1/splits share of the tile's rows over the splits in split order (the order, and so the
+// sums, of qmm_reduce), and applies the epilogue. With `Epi::swiglu` (gate|up's interleaved
+// rows), y gets silu(gate) * up for each pair of columns, in rows of N / 2.
+#define Q16_PS (Q16_BN + 4)  // floats a row of the partial tile (rows shift banks)
+__device__ __forceinline__ void qmm4_cluster_reduce(const float (*acc)[8][4], unsigned char (*xs)[Q16_BM * Q16_RS],
+                                                    const float* __restrict__ rs, float* y, int M, int N,
+                                                    int splits, int mt, int m0, int warp, int g, int t,
+                                                    const Epi& e) {
+    namespace cg = cooperative_groups;
+    cg::cluster_group cl = cg::this_cluster();
+    float* part = (float*)&xs[0][0];
+    // the K loop ended with a barrier: nobody reads the stages any more
+#pragma unroll
+    for (int mt2 = 0; mt2 < 2; mt2++)
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int nl = warp * 32 + mt2 * 16 + (j >> 1) * 8 + g;
+                const int mr = 8 * i + 2 * t + (j & 1);
+                if (mr < mt) part[mr * Q16_PS + nl] = acc[mt2][i][j] * rs[m0 + mr];
+            }
+    cl.sync();
+    const int z = blockIdx.z, per = (mt + splits - 1) / splits;
+    const int r0 = z * per, r1 = min(mt, r0 + per), n0 = blockIdx.x * Q16_BN;
+    const int pw = e.swiglu ? 2 : 1;  // columns an output takes
+    for (int idx = threadIdx.x; idx < (r1 - r0) * (Q16_BN / pw); idx += blockDim.x) {
+        const int mr = r0 + idx / (Q16_BN / pw), nl = (idx % (Q16_BN / pw)) * pw;
+        const int m = m0 + mr, n = n0 + nl;
+        if (n >= N) continue;
+        float v[2] = {0.f, 0.f};
+        for (int zz = 0; zz < splits; zz++) {
+            const float* p = cl.map_shared_rank(part, zz) + mr * Q16_PS + nl;
+            v[0] += p[0];
+            if (pw == 2) v[1] += p[1];
+        }
+        if (pw == 2) {
+            const float gt = epilogue(v[0], m, n, N, e), up = epilogue(v[1], m, n + 1, N, e);
+            y[(size_t)m * (N / 2) + n / 2] = gt / (1.f + expf(-gt)) * up;
+        } else {
+            y[(size_t)m * N + n] = epilogue(v[0], m, n, N, e);
+        }
+    }
+    // no block leaves while another may still read its shared memory
+    cl.sync();
+}
+#endif
+
 __device__ __forceinline__ void qmm4_f16_body(
     const __half* __restrict__ xh, const float* __restrict__ rs, const uint8_t* __restrict__ w,
     const void* __restrict__ scales, const void* __restrict__ biases, float* y, float* ws, int M,
-    int N, int K, int group_size, int sdtype, int splits, Epi e) {
+    int N, int K, int group_size, int sdtype, int splits, int cluster, Epi e) {
     PDL_ENTRY();
     __shared__ __align__(16) unsigned char xs[2][Q16_BM * Q16_RS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -771,22 +840,25 @@ __device__ __forceinline__ void qmm4_f16_body(
     const int mt = min(Q16_BM, M - m0);
     const int ntiles = (mt + 7) / 8;
     const size_t rb = (size_t)K / 2;
-    const int groups = K / group_size;
+    const int groups = K / group_size, gshift = __ffs(group_size) - 1;
+    const unsigned short* sc = (const unsigned short*)scales;
+    const unsigned short* bi = (const unsigned short*)biases;
     // this thread's rows: g, g + 8 of each of the warp's two m16 tiles
     int rows[4];
 #pragma unroll
     for (int r = 0; r < 4; r++) rows[r] = min(n0 + (r >> 1) * 16 + (r & 1) * 8 + g, N - 1);
 
+    // codes and the raw scale | bias << 16 of a step, loaded a step ahead; the parameters are
+    // converted when their step runs, so no load is waited for where it is issued
     uint4 wv[4], wn[4];
-    __half2 sv[4], bv[4], sn[4], bn[4];
-    auto fetch_w = [&](int k0, uint4* wd, __half2* sd, __half2* bd) {
-        const int k = k0 + 32 * t;
+    unsigned int pv[4], pn[4];
+    auto fetch_w = [&](int k0, uint4* wd, unsigned int* pd) {
+        const int k = k0 + 32 * t, gk = k >> gshift;
 #pragma unroll
         for (int r = 0; r < 4; r++) {
             wd[r] = *(const uint4*)(w + (size_t)rows[r] * rb + k / 2);
-            const int gi = rows[r] * groups + k / group_size;
-            sd[r] = __float2half2_rn(load_param(scales, gi, sdtype));
-            bd[r] = __float2half2_rn(load_param(biases, gi, sdtype));
+            const int gi = rows[r] * groups + gk;
+            pd[r] = (unsigned int)__ldg(sc + gi) | ((unsigned int)__ldg(bi + gi) << 16);
         }
     };
     // a stage: 64 rows x 16 chunks of 16 bytes; chunk c of thread-slot t' lands at slot (c + t') & 3
@@ -811,12 +883,18 @@ __device__ __forceinline__ void qmm4_f16_body(
             for (int j = 0; j < 4; j++) acc[a][i][j] = 0.f;
 
     fetch_x(kbeg, 0);
-    fetch_w(kbeg, wv, sv, bv);
+    fetch_w(kbeg, wv, pv);
     for (int s = 0; s < nsteps; s++) {
         const int k0 = kbeg + s * 128;
+        __half2 sv[4], bv[4];
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            sv[r] = param_h2(pv[r] & 0xFFFFu, sdtype);
+            bv[r] = param_h2(pv[r] >> 16, sdtype);
+        }
         if (s + 1 < nsteps) {
             fetch_x(k0 + 128, (s + 1) & 1);
-            fetch_w(k0 + 128, wn, sn, bn);
+            fetch_w(k0 + 128, wn, pn);
             asm volatile("cp.async.wait_group 1;\n" ::);
         } else {
             asm volatile("cp.async.wait_group 0;\n" ::);
@@ -857,12 +935,17 @@ __device__ __forceinline__ void qmm4_f16_body(
 #pragma unroll
             for (int r = 0; r < 4; r++) {
                 wv[r] = wn[r];
-                sv[r] = sn[r];
-                bv[r] = bn[r];
+                pv[r] = pn[r];
             }
         }
     }
     // acc[mt2][i]: (weight row g | g + 8 of tile mt2) x (x rows 2t, 2t + 1 of tile i)
+#if __CUDA_ARCH__ >= 900
+    if (cluster && splits > 1) {
+        qmm4_cluster_reduce(acc, xs, rs, y, M, N, splits, mt, m0, warp, g, t, e);
+        return;
+    }
+#endif
 #pragma unroll
     for (int mt2 = 0; mt2 < 2; mt2++)
 #pragma unroll
@@ -881,15 +964,17 @@ __device__ __forceinline__ void qmm4_f16_body(
             }
 }
 
-// Three blocks an SM (registers capped at 168: a few bytes spill outside the K loop), so that
-// a 384-block grid (gate|up split twice, q|k|v eight times) runs in one wave of an H100's 396
-// slots; `qmm4_f16_b2` is the uncapped build (176 registers, two an SM), for comparisons.
+// Three blocks an SM (registers capped at 168), so that a 384-block grid (gate|up split twice,
+// q|k|v eight times) runs in one wave of an H100's 396 slots. `qmm4_f16_b2` has no cap (the
+// body fits 168 without spilling since its parameters are converted a step late) and keeps the
+// earlier two-an-SM splits (`BOT_CUDA_PROMPT_OCC=2`), for comparisons.
 #define QMM4_F16(NAME, BOUNDS)                                                                      \
     extern "C" __global__ void __launch_bounds__ BOUNDS NAME(                                   \
         const __half* __restrict__ xh, const float* __restrict__ rs, const uint8_t* __restrict__ w,  \
         const void* __restrict__ scales, const void* __restrict__ biases, float* y, float* ws,      \
-        int M, int N, int K, int group_size, int sdtype, int splits, Epi e) {                       \
-        qmm4_f16_body(xh, rs, w, scales, biases, y, ws, M, N, K, group_size, sdtype, splits, e);    \
+        int M, int N, int K, int group_size, int sdtype, int splits, int cluster, Epi e) {          \
+        qmm4_f16_body(xh, rs, w, scales, biases, y, ws, M, N, K, group_size, sdtype, splits,        \
+                      cluster, e);                                                                  \
     }
 QMM4_F16(qmm4_f16, (128, 3))
 QMM4_F16(qmm4_f16_b2, (128))
@@ -906,6 +991,24 @@ __device__ __forceinline__ float4 norm4(float4 v, const float4* nw, int c, float
     return make_float4(v.x * r * g.x, v.y * r * g.y, v.z * r * g.z, v.w * r * g.w);
 }
 
+// A row's float4 chunks c = threadIdx.x + j * blockDim.x in order of j, X_LOADS of them loaded
+// before the first is used (the row is read in a few round trips, not one a chunk).
+#define X_LOADS 4
+template <typename F>
+__device__ __forceinline__ void each_chunk(const float4* __restrict__ xr, int n4, F f) {
+    for (int c0 = threadIdx.x; c0 < n4; c0 += X_LOADS * blockDim.x) {
+        float4 v[X_LOADS];
+#pragma unroll
+        for (int u = 0; u < X_LOADS; u++) {
+            const int c = c0 + u * blockDim.x;
+            v[u] = c < n4 ? xr[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < X_LOADS; u++)
+            if (c0 + u * blockDim.x < n4) f(v[u], c0 + u * blockDim.x);
+    }
+}
+
 extern "C" __global__ void x_to_f16p(const float* __restrict__ x, __half* __restrict__ xh,
                                      float* __restrict__ rs, int K, const float* __restrict__ nw,
                                      float eps) {
@@ -917,10 +1020,9 @@ extern "C" __global__ void x_to_f16p(const float* __restrict__ x, __half* __rest
     float r = 1.f;
     if (nw) {
         float ss = 0.f;
-        for (int c = tid; c < K / 4; c += blockDim.x) {
-            const float4 v = xr[c];
+        each_chunk(xr, K / 4, [&](float4 v, int) {
             ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
-        }
+        });
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
         if ((tid & 31) == 0) part[tid >> 5] = ss;
@@ -931,10 +1033,10 @@ extern "C" __global__ void x_to_f16p(const float* __restrict__ x, __half* __rest
         __syncthreads();  // part is reused below
     }
     float mx = 0.f;
-    for (int c = tid; c < K / 4; c += blockDim.x) {
-        const float4 v = norm4(xr[c], w4, c, r);
+    each_chunk(xr, K / 4, [&](float4 u, int c) {
+        const float4 v = norm4(u, w4, c, r);
         mx = fmaxf(mx, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-    }
+    });
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     if ((tid & 31) == 0) part[tid >> 5] = mx;
@@ -946,18 +1048,31 @@ extern "C" __global__ void x_to_f16p(const float* __restrict__ x, __half* __rest
     ex = max(ex, -100);  // 2^(14 - ex) stays a finite f32
     const float up = ldexpf(1.f, 14 - ex);
     if (tid == 0) rs[m] = ldexpf(1.f, ex - 14);
-    for (int b = tid; b < K / 8; b += blockDim.x) {
-        const float4 lo = norm4(xr[2 * b], w4, 2 * b, r), hi = norm4(xr[2 * b + 1], w4, 2 * b + 1, r);
-        const __half2 p0 = __floats2half2_rn(lo.x * up, hi.x * up);
-        const __half2 p1 = __floats2half2_rn(lo.y * up, hi.y * up);
-        const __half2 p2 = __floats2half2_rn(lo.z * up, hi.z * up);
-        const __half2 p3 = __floats2half2_rn(lo.w * up, hi.w * up);
-        uint4 o;
-        o.x = *(const unsigned int*)&p0;
-        o.y = *(const unsigned int*)&p1;
-        o.z = *(const unsigned int*)&p2;
-        o.w = *(const unsigned int*)&p3;
-        *(uint4*)(xh + (size_t)m * K + 8 * b) = o;
+    // output chunk b (8 halves) is input chunks 2b and 2b + 1
+    for (int b0 = tid; b0 < K / 8; b0 += X_LOADS * blockDim.x) {
+        float4 lo[X_LOADS], hi[X_LOADS];
+#pragma unroll
+        for (int u = 0; u < X_LOADS; u++) {
+            const int b = min(b0 + u * (int)blockDim.x, K / 8 - 1);
+            lo[u] = xr[2 * b];
+            hi[u] = xr[2 * b + 1];
+        }
+#pragma unroll
+        for (int u = 0; u < X_LOADS; u++) {
+            const int b = b0 + u * blockDim.x;
+            if (b >= K / 8) continue;
+            const float4 l = norm4(lo[u], w4, 2 * b, r), h = norm4(hi[u], w4, 2 * b + 1, r);
+            const __half2 p0 = __floats2half2_rn(l.x * up, h.x * up);
+            const __half2 p1 = __floats2half2_rn(l.y * up, h.y * up);
+            const __half2 p2 = __floats2half2_rn(l.z * up, h.z * up);
+            const __half2 p3 = __floats2half2_rn(l.w * up, h.w * up);
+            uint4 o;
+            o.x = *(const unsigned int*)&p0;
+            o.y = *(const unsigned int*)&p1;
+            o.z = *(const unsigned int*)&p2;
+            o.w = *(const unsigned int*)&p3;
+            *(uint4*)(xh + (size_t)m * K + 8 * b) = o;
+        }
     }
 }
 

@@ -220,8 +220,9 @@ pub fn qmatmul_fwd(
             b.arg(&g.biases);
             b.arg(&y);
             b.arg(&ws);
-            let (sp, epi) = (splits as i32, Epi::default());
-            for d in [&p.m, &p.n, &p.k, &p.group_size, &p.sdtype, &sp] {
+            // no cluster: the splits' partials go to ws, for `qmm_reduce`
+            let (sp, cluster, epi) = (splits as i32, 0i32, Epi::default());
+            for d in [&p.m, &p.n, &p.k, &p.group_size, &p.sdtype, &sp, &cluster] {
                 b.arg(d);
             }
             b.arg(&epi);

@@ -425,3 +425,147 @@ fn norm_rope_cache_and_attention_match_their_references_at_every_head_size() {
         }
     }
 }
+
+/// `qmm4_f16` with its K splits in a thread-block cluster (the prompt path on sm_90) against
+/// the same kernel writing the splits to a workspace and `qmm_reduce` adding them: the same
+/// sums in the same order, so the same bits, with a residual epilogue; and with SwiGLU over
+/// gate|up's interleaved columns, against `swiglu_f32` on the reduced output. Row counts with a
+/// partial tile and with splits that get no rows (9 rows over 8 splits); 3 weight tiles.
+#[test]
+fn prompt_matmul_clusters_add_the_splits_as_the_reduce_does() {
+    use super::launch::{launch_ex, ptr, Arg, Mode};
+    use super::{QMODULE, QPTX};
+    use crate::engine::cuda::quant::{resident, Epi};
+    use crate::engine::quant::testutil::random_qmatrix;
+    use crate::engine::weights::Dtype;
+
+    let dev = gpu();
+    let st = dev.cuda_stream();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+    let (n, k) = (384usize, 3072usize);
+    let w = random_qmatrix(n, k, 4, 64, Dtype::BF16, 5);
+    let g = resident(&w, &dev).unwrap();
+    let (sd, gs) = (0i32, 64i32);
+    let load = |name: &str| dev.get_or_load_custom_func(name, QMODULE, QPTX).unwrap();
+    for m in [9usize, 64, 100] {
+        let x = up(&dev, &random(&mut rng, m * k, 2.0));
+        let res = up(&dev, &random(&mut rng, m * n, 1.0));
+        let xh = dev.alloc_zeros::<u16>(m * k).unwrap();
+        let rs = dev.alloc_zeros::<f32>(m).unwrap();
+        let a = [
+            Arg::P(ptr(&x, &st)),
+            Arg::P(ptr(&xh, &st)),
+            Arg::P(ptr(&rs, &st)),
+            Arg::I(k as i32),
+            Arg::P(0),
+            Arg::F(0.0),
+        ];
+        launch_ex(
+            &st,
+            &load("x_to_f16p"),
+            (m, 1, 1),
+            256,
+            0,
+            &a,
+            false,
+            Mode::Plain,
+        )
+        .unwrap();
+        for splits in [2usize, 3, 4, 6, 8] {
+            let run = |cluster: bool, epi: Epi| -> Vec<f32> {
+                let cols = if epi.swiglu != 0 { n / 2 } else { n };
+                let y = dev.alloc_zeros::<f32>(m * cols).unwrap();
+                let ws = dev.alloc_zeros::<f32>(splits * m * n).unwrap();
+                let a = [
+                    Arg::P(ptr(&xh, &st)),
+                    Arg::P(ptr(&rs, &st)),
+                    Arg::P(ptr(&g.packed, &st)),
+                    Arg::P(ptr(&g.scales, &st)),
+                    Arg::P(ptr(&g.biases, &st)),
+                    Arg::P(ptr(&y, &st)),
+                    Arg::P(ptr(&ws, &st)),
+                    Arg::I(m as i32),
+                    Arg::I(n as i32),
+                    Arg::I(k as i32),
+                    Arg::I(gs),
+                    Arg::I(sd),
+                    Arg::I(splits as i32),
+                    Arg::I(cluster as i32),
+                    Arg::E(epi),
+                ];
+                let grid = (n.div_ceil(128), m.div_ceil(64), splits);
+                let mode = if cluster {
+                    Mode::ClusterZ(splits as u32)
+                } else {
+                    Mode::Plain
+                };
+                launch_ex(&st, &load("qmm4_f16"), grid, 128, 0, &a, false, mode).unwrap();
+                if !cluster {
+                    let r = [
+                        Arg::P(ptr(&ws, &st)),
+                        Arg::P(ptr(&y, &st)),
+                        Arg::I(m as i32),
+                        Arg::I(n as i32),
+                        Arg::I(splits as i32),
+                        Arg::E(epi),
+                    ];
+                    let f = load("qmm_reduce");
+                    let grid = ((m * n).div_ceil(256), 1, 1);
+                    launch_ex(&st, &f, grid, 256, 0, &r, false, Mode::Plain).unwrap();
+                }
+                down(&dev, &y)
+            };
+            let label = format!("m {m}, {splits} splits");
+            let with_res = Epi {
+                residual: ptr(&res, &st),
+                ..Epi::default()
+            };
+            let (plain, clustered) = (run(false, with_res), run(true, with_res));
+            assert!(plain.iter().all(|v| v.is_finite()), "{label}: non-finite");
+            let same = plain
+                .iter()
+                .zip(&clustered)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{label}: the cluster's sums differ from qmm_reduce's");
+
+            // SwiGLU: the reduced gate|up (no residual) through swiglu_f32
+            let reduced = up(&dev, &run(false, Epi::default()));
+            let act = dev.alloc_zeros::<f32>(m * n / 2).unwrap();
+            let total = (m * n / 2) as i32;
+            let f = dev
+                .get_or_load_custom_func("swiglu_f32", STEP_MODULE, STEP_PTX)
+                .unwrap();
+            let a = [
+                Arg::P(ptr(&reduced, &st)),
+                Arg::P(ptr(&act, &st)),
+                Arg::I((n / 2) as i32),
+                Arg::I(total),
+            ];
+            launch_ex(
+                &st,
+                &f,
+                ((m * n / 2).div_ceil(256), 1, 1),
+                256,
+                0,
+                &a,
+                false,
+                Mode::Plain,
+            )
+            .unwrap();
+            let want = down(&dev, &act);
+            let swiglu = Epi {
+                swiglu: 1,
+                ..Epi::default()
+            };
+            let got = run(true, swiglu);
+            let same = want
+                .iter()
+                .zip(&got)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{label}: the cluster's SwiGLU differs from swiglu_f32's"
+            );
+        }
+    }
+}

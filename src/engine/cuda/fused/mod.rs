@@ -47,7 +47,7 @@ mod weights;
 use buffers::{Buffers, Cache, Dims, FeedBufs, FeedTo};
 pub(crate) use eligible::unsupported;
 use kernels::AttentionIo;
-use launch::{pdl_available, ptr, Arg};
+use launch::{clusters_available, pdl_available, ptr, Arg, Clusters, Mode, Pdl};
 use weights::{quant, DecodeShape, Layer, Proj};
 
 use crate::engine::sample::{
@@ -99,8 +99,12 @@ pub struct FusedQwen3 {
     embed: Proj,
     head: Proj,
     exact: bool,
-    /// Kernels are launched with programmatic dependent launch (see `pdl_available`).
-    pdl: bool,
+    /// Where kernels are launched with programmatic dependent launch (`pdl_available`), and
+    /// whether the forward being issued is one of those (`issue` sets it).
+    pdl: Pdl,
+    pdl_now: std::cell::Cell<bool>,
+    /// Which prompt matmuls add their K splits inside a thread-block cluster.
+    clusters: Clusters,
     max_rtot: usize,
     bufs: Buffers,
     /// Decode's LoRA A products made by the kernel before (`None`: by `lora_a_f32` always,
@@ -297,6 +301,8 @@ impl FusedQwen3 {
             head,
             exact: kernel == Numerics::Exact,
             pdl,
+            pdl_now: std::cell::Cell::new(false),
+            clusters: clusters_available(dev)?,
             max_rtot,
             bufs,
             feed,

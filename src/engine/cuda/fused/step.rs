@@ -66,28 +66,13 @@ impl FusedQwen3 {
         let st = &self.stream;
         let decode = rows == 1 && p.bits == 4;
         let feed = self.feed.as_ref().filter(|_| decode);
-        // gate|up: the decode kernel writes SwiGLU's output to `act` directly
-        let y = if p.interleaved && decode {
-            ptr(&self.bufs.act, st)
-        } else {
-            y
-        };
+        // gate|up: the decode kernel, or the prompt kernel's cluster reduction, writes SwiGLU's
+        // output to `act` directly
+        let swiglu = self.writes_act(p, rows);
+        let y = if swiglu { ptr(&self.bufs.act, st) } else { y };
         let (n, k) = (p.n as i32, p.k as i32);
         let (bits, gs, sd) = (p.bits as i32, p.group_size as i32, p.sdtype);
-        let q = QParams {
-            m: rows as i32,
-            n,
-            k,
-            bits,
-            group_size: gs,
-            sdtype: sd,
-        };
-        let numerics = if self.exact {
-            Numerics::Exact
-        } else {
-            Numerics::Fast
-        };
-        let plan = plan::matmul(&q, numerics, self.bufs.ws.len());
+        let plan = self.plan_of(p, rows);
         // the norm rides in the kernel that reads x: the decode matmul, or x_to_f16p (which
         // writes what it would from rms_norm_f32's output; with LoRA the A product would
         // then take the norm in another order, so a prompt with LoRA keeps the norm kernel,
@@ -105,7 +90,7 @@ impl FusedQwen3 {
         };
         let mut epi = Epi {
             residual,
-            swiglu: (p.interleaved && decode) as i32,
+            swiglu: swiglu as i32,
             ..Epi::default()
         };
         if let (Some(f), Some((to, at, r))) = (feed, link.feeds) {
@@ -194,6 +179,7 @@ impl FusedQwen3 {
                         Arg::F(self.d.eps),
                     ],
                 )?;
+                let cluster = self.cluster_splits(p, splits);
                 let a = [
                     Arg::P(xh),
                     Arg::P(rs),
@@ -208,11 +194,17 @@ impl FusedQwen3 {
                     Arg::I(gs),
                     Arg::I(sd),
                     Arg::I(splits as i32),
+                    Arg::I(cluster as i32),
                     Arg::E(epi),
                 ];
                 let grid = (p.n.div_ceil(128), rows.div_ceil(64), splits);
-                self.launch3(tag, plan::qmm4_kernel(), grid, 128, &a)?;
-                if splits == 1 {
+                let mode = if cluster {
+                    Mode::ClusterZ(splits as u32)
+                } else {
+                    Mode::Plain
+                };
+                self.launch3(tag, plan::qmm4_kernel(), grid, 128, &a, mode)?;
+                if splits == 1 || cluster {
                     return Ok(());
                 }
                 self.reduce_splits(tag, rows, p.n, splits, y, epi)
@@ -252,6 +244,50 @@ impl FusedQwen3 {
         }
     }
 
+    /// Whether `p`'s kernel over `rows` rows writes SwiGLU's output (`act`) itself: gate|up's
+    /// (interleaved rows) 4-bit decode kernel, and its prompt kernel where the K splits add
+    /// their partials in a cluster.
+    pub(super) fn writes_act(&self, p: &Proj, rows: usize) -> bool {
+        if !p.interleaved || p.bits != 4 {
+            return false;
+        }
+        if rows == 1 {
+            return true;
+        }
+        match self.plan_of(p, rows) {
+            Matmul::PromptF16 { splits } => self.cluster_splits(p, splits),
+            _ => false,
+        }
+    }
+
+    /// Whether `p`'s prompt kernel adds its `splits` K splits in a thread-block cluster.
+    fn cluster_splits(&self, p: &Proj, splits: usize) -> bool {
+        let on = match self.clusters {
+            Clusters::Off => false,
+            Clusters::GateUp => p.interleaved,
+            Clusters::All => true,
+        };
+        on && splits > 1 && splits <= plan::QMM4_CLUSTER_SPLITS
+    }
+
+    /// The kernel plan of `p` over `rows` rows (`plan::matmul`, with this step's workspace).
+    fn plan_of(&self, p: &Proj, rows: usize) -> Matmul {
+        let q = QParams {
+            m: rows as i32,
+            n: p.n as i32,
+            k: p.k as i32,
+            bits: p.bits as i32,
+            group_size: p.group_size as i32,
+            sdtype: p.sdtype,
+        };
+        let numerics = if self.exact {
+            Numerics::Exact
+        } else {
+            Numerics::Fast
+        };
+        plan::matmul(&q, numerics, self.bufs.ws.len())
+    }
+
     /// `y (rows, n) = epilogue(sum of the split-K partials in ws)`: `qmm_reduce`.
     pub(super) fn reduce_splits(
         &self,
@@ -284,6 +320,8 @@ impl FusedQwen3 {
         sample: Option<KernelParams>,
     ) -> Result<()> {
         let (d, st) = (self.d, &self.stream);
+        self.pdl_now
+            .set(self.pdl == Pdl::All || (self.pdl == Pdl::Decode && m == 1));
         let b = &self.bufs;
         let (x, xn, qkv, ao, gu, act) = (
             ptr(&b.x, st),
@@ -350,7 +388,7 @@ impl FusedQwen3 {
             };
             let post = Some(&l.post_norm);
             self.proj("gate_up_proj", &l.gu, x, m, gu, 0, post, fuse, gu_link)?;
-            if !(m == 1 && l.gu.bits == 4) {
+            if !self.writes_act(&l.gu, m) {
                 self.swiglu(gu, act, m)?;
             }
             let (down_feeds, next_fed) = match self.layers.get(i + 1) {
@@ -424,7 +462,7 @@ impl FusedQwen3 {
                 args.push(Arg::P(ptr(&self.sample_scratch, st)));
                 let f = sample::GRID_KERNEL;
                 let (g, t) = ((blocks, 1, 1), sample::GRID_THREADS);
-                self.launch_with("sample", f, g, t, 0, &args, true)
+                self.launch_with("sample", f, g, t, 0, &args, Mode::Cooperative)
             }
             None => self.launch_as("sample", sample::KERNEL, (1, 1), sample::THREADS, 0, &args),
         }
