@@ -964,10 +964,10 @@ __device__ __forceinline__ void qmm4_f16_body(
             }
 }
 
-// Three blocks an SM (registers capped at 168), so that a 384-block grid (gate|up split twice,
-// q|k|v eight times) runs in one wave of an H100's 396 slots. `qmm4_f16_b2` has no cap (the
-// body fits 168 without spilling since its parameters are converted a step late) and keeps the
-// earlier two-an-SM splits (`BOT_CUDA_PROMPT_OCC=2`), for comparisons.
+// Three blocks an SM (registers capped at 168; ptxas spills 8 bytes), so that a 384-block grid
+// (gate|up split twice, q|k|v eight times) runs in one wave of an H100's 396 slots.
+// `qmm4_f16_b2` has no cap and keeps the earlier two-an-SM splits (`BOT_CUDA_PROMPT_OCC=2`),
+// for comparisons.
 #define QMM4_F16(NAME, BOUNDS)                                                                      \
     extern "C" __global__ void __launch_bounds__ BOUNDS NAME(                                   \
         const __half* __restrict__ xh, const float* __restrict__ rs, const uint8_t* __restrict__ w,  \
