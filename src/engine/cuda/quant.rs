@@ -123,11 +123,12 @@ fn qmv4_fwd(
         .get_or_load_custom_func(kernel, MODULE, PTX)?
         .into_cuda_function();
     let smem = feed_smem(smem, 32 * warps, &epi);
-    func.set_attribute(
-        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        smem as i32,
-    )
-    .w()?;
+    // raised, never lowered: the fused step shares these functions and may launch them with
+    // more (a wider row), also from a graph captured earlier, which would then fail to launch
+    let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+    if func.get_attribute(attr).w()? < smem as i32 {
+        func.set_attribute(attr, smem as i32).w()?;
+    }
     // SAFETY: every element is written by the kernel below.
     let y = unsafe { dev.alloc::<f32>(p.n as usize)? };
     let stream = dev.cuda_stream();
@@ -609,6 +610,40 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A decode launch raises its function's dynamic shared memory limit and never lowers it:
+    /// the fused step launches the same functions with wider rows (from a graph captured
+    /// earlier too), which a lowered limit would refuse (CUDA_ERROR_INVALID_VALUE).
+    #[test]
+    fn decode_launches_never_lower_the_shared_memory_limit() {
+        let dev = Device::new_cuda(0).expect("a `cuda` build's tests need a GPU");
+        let Device::Cuda(cd) = &dev else {
+            unreachable!("a CUDA device")
+        };
+        let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        let block = plan::DecodeBlock::new(2, 16, 1).unwrap();
+        let mut limits = Vec::new();
+        // 12288 codes stage 27 KiB of x, 1024 codes 2.3 KiB
+        for cols in [12288usize, 1024] {
+            let w = random_qmatrix(64, cols, 4, 64, Dtype::BF16, 5);
+            let (g, p) = (resident(&w, cd).unwrap(), QParams::new(&w, 1));
+            let x = cd.clone_htod(&vec![0.5f32; cols]).unwrap();
+            let plan = plan::decode4_with(64, cols, Numerics::Fast, block);
+            qmv4_fwd(cd, &g, &p, plan, &x.slice(..), None, Epi::default()).unwrap();
+            let Matmul::Decode4 { kernel, .. } = plan else {
+                unreachable!("a decode plan")
+            };
+            let f = cd
+                .get_or_load_custom_func(kernel, MODULE, PTX)
+                .unwrap()
+                .into_cuda_function();
+            limits.push(f.get_attribute(attr).unwrap());
+        }
+        assert!(
+            limits[0] >= plan::qmv4q_smem(12288) as i32 && limits[1] == limits[0],
+            "limits after the wide and the narrow launch: {limits:?}"
+        );
     }
 
     /// LoRA A products made by the decode kernel before (`Epi::feed_*`, `fed_*`): a producer

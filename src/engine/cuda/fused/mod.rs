@@ -229,12 +229,13 @@ impl FusedQwen3 {
                 qmv4_smem(widest)
             }
             .max(4 * 1024);
+            // raised, never lowered: another model's step in this process may share the
+            // function (`cuda::quant` raises it the same way)
+            let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
             if let Some(f) = funcs.get(name) {
-                f.set_attribute(
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )
-                .w()?;
+                if f.get_attribute(attr).w()? < smem as i32 {
+                    f.set_attribute(attr, smem as i32).w()?;
+                }
             }
         }
         let pdl = pdl_available(dev)?;
