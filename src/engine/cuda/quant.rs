@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    sys, CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg,
+    sys, CudaFunction, CudaSlice, CudaView, DriverError, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, CudaStorage, Layout, Shape};
@@ -123,12 +123,7 @@ fn qmv4_fwd(
         .get_or_load_custom_func(kernel, MODULE, PTX)?
         .into_cuda_function();
     let smem = feed_smem(smem, 32 * warps, &epi);
-    // raised, never lowered: the fused step shares these functions and may launch them with
-    // more (a wider row), also from a graph captured earlier, which would then fail to launch
-    let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-    if func.get_attribute(attr).w()? < smem as i32 {
-        func.set_attribute(attr, smem as i32).w()?;
-    }
+    raise_smem_limit(&func, smem).w()?;
     // SAFETY: every element is written by the kernel below.
     let y = unsafe { dev.alloc::<f32>(p.n as usize)? };
     let stream = dev.cuda_stream();
@@ -153,6 +148,17 @@ fn qmv4_fwd(
     // SAFETY: the arguments match qmv4(q)_m1_r*'s signature; x holds k floats, y n.
     unsafe { b.launch(cfg) }.w()?;
     Ok(y)
+}
+
+/// Raises `func`'s dynamic shared memory limit to `bytes`, never lowering it: the candle op
+/// path and the fused step share the decode functions, and a launch of the fused step (also
+/// from a graph captured earlier) may need more than the candle path's last one.
+pub(crate) fn raise_smem_limit(func: &CudaFunction, bytes: usize) -> Result<(), DriverError> {
+    let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+    if func.get_attribute(attr)? < bytes as i32 {
+        func.set_attribute(attr, bytes as i32)?;
+    }
+    Ok(())
 }
 
 /// The dynamic shared memory of a 4-bit decode launch: with a LoRA feed (`Epi::feed_*`,

@@ -26,7 +26,8 @@ use candle_core::CudaDevice;
 
 use crate::engine::cuda::plan::{self, qmv4_smem, qmv4q_smem, Matmul};
 use crate::engine::cuda::quant::{
-    feed_smem, qmv4_grid, resident, Epi, GpuQMatrix, MODULE as QMODULE, PTX as QPTX,
+    feed_smem, qmv4_grid, raise_smem_limit, resident, Epi, GpuQMatrix, MODULE as QMODULE,
+    PTX as QPTX,
 };
 use crate::engine::cuda::sample;
 use crate::engine::error::{EngineError, Result};
@@ -229,13 +230,8 @@ impl FusedQwen3 {
                 qmv4_smem(widest)
             }
             .max(4 * 1024);
-            // raised, never lowered: another model's step in this process may share the
-            // function (`cuda::quant` raises it the same way)
-            let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
             if let Some(f) = funcs.get(name) {
-                if f.get_attribute(attr).w()? < smem as i32 {
-                    f.set_attribute(attr, smem as i32).w()?;
-                }
+                raise_smem_limit(f, smem).w()?;
             }
         }
         let pdl = pdl_available(dev)?;
