@@ -90,19 +90,23 @@ __device__ __forceinline__ void unpack16(const uint8_t* row, int k, int bits, fl
 // `feed_*`, `fed_*` (the 4-bit decode kernel only): LoRA A products made by the kernel that
 // writes a projection's input instead of by a `lora_a_f32` launch between the two. The producer
 // reads `feed_at` (N_y, feed_r), the next projection's A transposed (times the weight of its
-// input RMSNorm, if any), and writes per block the sums of y · feed_at over its outputs y into
-// its 32 floats of `feed_slots`. The consumer adds the `fed_blocks` blocks' sums of
-// `fed_slots` (in a fixed order), times its own norm's row scale, as its `lora_t`.
+// input RMSNorm, if any), and each block adds its sums of y · feed_at over its outputs y into
+// `feed_acc` (feed_r words, zeroed before), in fixed point: integer sums do not depend on the
+// blocks' order, so t is the same bits on every run. The consumer reads `fed_acc` (rtot
+// words), times its own norm's row scale, as its `lora_t`.
 struct Epi {
     const float* residual;
     const float* lora_t;
     const float* lora_bt;
     int r, rtot, seg1, seg2, pairs, swiglu;
     const float* feed_at;
-    float* feed_slots;
-    const float* fed_slots;
-    int feed_r, fed_blocks;
+    unsigned long long* feed_acc;
+    const long long* fed_acc;
+    int feed_r, pad_;
 };
+
+// One in `Epi::feed_acc`'s fixed point: 2^-32 resolution; a block's sum up to 2^31 in size.
+#define FEED_ONE 4294967296.f
 
 // Which part's adapter (0, 1 or 2: t's r-wide slices) output n takes.
 __device__ __forceinline__ int lora_seg(int n, const Epi& e) {

@@ -50,12 +50,12 @@ pub(crate) struct Epi {
     pub pairs: i32,
     pub swiglu: i32,
     /// LoRA A products made by the decode kernel before the one that needs them (`Epi` in
-    /// common.cuh).
+    /// common.cuh): `feed_acc` and `fed_acc` point at fixed-point words (`FEED_ONE`).
     pub feed_at: u64,
-    pub feed_slots: u64,
-    pub fed_slots: u64,
+    pub feed_acc: u64,
+    pub fed_acc: u64,
     pub feed_r: i32,
-    pub fed_blocks: i32,
+    pub pad_: i32,
 }
 
 // SAFETY: `Epi` is `#[repr(C)]` plain data laid out as the C struct of the same name.
@@ -161,10 +161,10 @@ pub(crate) fn raise_smem_limit(func: &CudaFunction, bytes: usize) -> Result<(), 
     Ok(())
 }
 
-/// The dynamic shared memory of a 4-bit decode launch: with a LoRA feed (`Epi::feed_*`,
-/// `fed_*`) the kernel sums through the staging memory, a float a thread at least.
+/// The dynamic shared memory of a 4-bit decode launch: a kernel making LoRA A products
+/// (`Epi::feed_*`) sums its warps' shares through the staging memory, a float a thread at least.
 pub(crate) fn feed_smem(smem: usize, threads: usize, epi: &Epi) -> usize {
-    if epi.feed_at != 0 || epi.fed_slots != 0 {
+    if epi.feed_at != 0 {
         smem.max(4 * threads)
     } else {
         smem
@@ -652,13 +652,15 @@ mod tests {
         );
     }
 
-    /// LoRA A products made by the decode kernel before (`Epi::feed_*`, `fed_*`): a producer
-    /// writes per block `Σ y_n · at[n, j]` over its outputs y (the residual added; with SwiGLU
-    /// over silu(gate) · up); a consumer adds the blocks' sums times its norm's row scale and
-    /// uses them as its LoRA t: its output equals the same kernel given the host's sums as t
-    /// directly. Every two-row instance (the ones that carry the feed), producer grids of 3
-    /// blocks and a full one, 8 to 32 ranks, and 700 producer blocks (more than a warp's
-    /// loads issued at once).
+    /// LoRA A products made by the decode kernel before (`Epi::feed_*`, `fed_*`): a producer's
+    /// blocks add `Σ y_n · at[n, j]` over their outputs y (the residual added; with SwiGLU over
+    /// silu(gate) · up) into the accumulator, in fixed point; a consumer reads it, times its
+    /// norm's row scale, as its LoRA t: its output equals the same kernel given the host's sums
+    /// as t directly. Every two-row instance (the ones that carry the feed), producer grids of
+    /// 3 blocks and a full one, 8 to 32 ranks; the accumulator is the same bits on a rerun.
+    /// One in `Epi::feed_acc`'s fixed point (`FEED_ONE`, cuda/common.cuh).
+    const FEED_ONE: f64 = 4294967296.0;
+
     #[test]
     fn decode_kernels_feed_the_next_lora() {
         let dev = Device::new_cuda(0).expect("a `cuda` build's tests need a GPU");
@@ -674,7 +676,7 @@ mod tests {
         let res: Vec<f32> = (0..rows).map(|_| rng.random_range(-2f32..2.0)).collect();
         let (xs, rs) = (cd.clone_htod(&x).unwrap(), cd.clone_htod(&res).unwrap());
         let stream = cd.cuda_stream();
-        let mut slots = cd.alloc_zeros::<f32>(32 * 1024).unwrap();
+        let mut acc = cd.alloc_zeros::<u64>(32).unwrap();
         // the consumer: 150 rows reading the producer's output (300, or 150 with SwiGLU)
         let (crows, ccols) = (150usize, 256usize);
         let cw = random_qmatrix(crows, ccols, 4, 64, Dtype::BF16, 31);
@@ -694,7 +696,7 @@ mod tests {
                 residual: if swiglu { 0 } else { rs.device_ptr(&stream).0 },
                 swiglu: swiglu as i32,
                 feed_at: ats.device_ptr(&stream).0,
-                feed_slots: slots.device_ptr(&stream).0,
+                feed_acc: acc.device_ptr(&stream).0,
                 feed_r: fr as i32,
                 ..Epi::default()
             };
@@ -713,11 +715,21 @@ mod tests {
                     let plan = plan::decode4_with(rows, cols, kernel, block);
                     let cplan = plan::decode4_with(crows, ccols, kernel, block);
                     for grid in [Some(3), None] {
-                        stream
-                            .memcpy_htod(&[f32::NAN; 32 * 1024], &mut slots)
-                            .unwrap();
-                        let y = qmv4_fwd(cd, &g, &p, plan, &xs.slice(..), grid, producer).unwrap();
-                        let y = &cd.clone_dtoh(&y).unwrap()[..ny];
+                        let label = format!("swiglu {swiglu} r {fr} {plan:?} grid {grid:?}");
+                        let mut words = Vec::new();
+                        let mut y = Vec::new();
+                        for _ in 0..2 {
+                            stream.memset_zeros(&mut acc).unwrap();
+                            let yd =
+                                qmv4_fwd(cd, &g, &p, plan, &xs.slice(..), grid, producer).unwrap();
+                            y = cd.clone_dtoh(&yd).unwrap()[..ny].to_vec();
+                            words.push(cd.clone_dtoh(&acc).unwrap());
+                        }
+                        assert_eq!(words[0], words[1], "{label}: a rerun's sums differ");
+                        assert!(
+                            words[0][fr..].iter().all(|&v| v == 0),
+                            "{label}: a word past the ranks written"
+                        );
                         let t: Vec<f32> = (0..fr)
                             .map(|j| {
                                 let s: f64 =
@@ -725,20 +737,13 @@ mod tests {
                                 s as f32
                             })
                             .collect();
-                        let blocks = match plan {
-                            Matmul::Decode4 { passes, .. } => {
-                                grid.map_or(passes, |g| g.min(passes))
-                            }
-                            _ => unreachable!("a decode plan"),
-                        };
                         let ts = cd.clone_htod(&t).unwrap();
                         let direct = Epi {
                             lora_t: ts.device_ptr(&stream).0,
                             ..lora
                         };
                         let fed = Epi {
-                            fed_slots: slots.device_ptr(&stream).0,
-                            fed_blocks: blocks as i32,
+                            fed_acc: acc.device_ptr(&stream).0,
                             ..lora
                         };
                         let want =
@@ -746,27 +751,25 @@ mod tests {
                         let got = qmv4_fwd(cd, &cg, &cp, cplan, &cxs.slice(..), None, fed).unwrap();
                         let (want, got) =
                             (cd.clone_dtoh(&want).unwrap(), cd.clone_dtoh(&got).unwrap());
-                        let label = format!("swiglu {swiglu} r {fr} {plan:?} grid {grid:?}");
-                        assert!(
-                            got.iter().all(|v| v.is_finite()),
-                            "{label}: a slot not written"
-                        );
+                        assert!(got.iter().all(|v| v.is_finite()), "{label}: non-finite");
                         let e = rel_err(&got, &want);
                         assert!(e <= 1e-5, "{label}: rel err {e:.2e}");
                     }
                 }
             }
         }
-        // many producer blocks (past the loads issued at once): slots written here
-        let (blocks, fr) = (700usize, 16usize);
-        let sl: Vec<f32> = (0..blocks * 32)
-            .map(|_| rng.random_range(-1f32..1.0))
+        // the consumer's reading of the fixed point, negative and large sums included
+        let fr = 16usize;
+        let t: Vec<f64> = (0..fr).map(|j| (j as f64 - 7.5) * 1e3 / 7.0).collect();
+        let words: Vec<u64> = t
+            .iter()
+            .map(|v| (v * FEED_ONE).round() as i64 as u64)
             .collect();
-        stream.memcpy_htod(&sl, &mut slots).unwrap();
-        let t: Vec<f32> = (0..fr)
-            .map(|j| (0..blocks).map(|b| sl[b * 32 + j] as f64).sum::<f64>() as f32)
-            .collect();
-        let ts = cd.clone_htod(&t).unwrap();
+        stream
+            .memcpy_htod(&words, &mut acc.slice_mut(..fr))
+            .unwrap();
+        let tf: Vec<f32> = t.iter().map(|&v| v as f32).collect();
+        let ts = cd.clone_htod(&tf).unwrap();
         let bt: Vec<f32> = (0..crows * fr)
             .map(|_| rng.random_range(-0.5f32..0.5))
             .collect();
@@ -784,8 +787,7 @@ mod tests {
             ..lora
         };
         let fed = Epi {
-            fed_slots: slots.device_ptr(&stream).0,
-            fed_blocks: blocks as i32,
+            fed_acc: acc.device_ptr(&stream).0,
             ..lora
         };
         for (rows_w, warps, k_warps) in [(2, 16, 1), (2, 8, 1), (2, 32, 2)] {
@@ -793,14 +795,8 @@ mod tests {
             let cplan = plan::decode4_with(crows, ccols, Numerics::Fast, block);
             let want = qmv4_fwd(cd, &cg, &cp, cplan, &cxs.slice(..), None, direct).unwrap();
             let got = qmv4_fwd(cd, &cg, &cp, cplan, &cxs.slice(..), None, fed).unwrap();
-            let e = rel_err(
-                &cd.clone_dtoh(&got).unwrap(),
-                &cd.clone_dtoh(&want).unwrap(),
-            );
-            assert!(
-                e <= 1e-5,
-                "{blocks} producer blocks, {cplan:?}: rel err {e:.2e}"
-            );
+            let (got, want) = (cd.clone_dtoh(&got).unwrap(), cd.clone_dtoh(&want).unwrap());
+            assert_eq!(got, want, "{cplan:?}: fed t read differently");
         }
     }
 

@@ -66,33 +66,43 @@ pub(super) struct Buffers {
     pub(super) ids: CudaSlice<u32>,
 }
 
-/// Where decode kernels leave the next projection's LoRA A products (`Epi::feed_*`): 32
-/// floats a block of the producer, in two regions, because gate|up reads what o wrote while
-/// it writes what down reads (o and down write the first, gate|up the second).
+/// Where decode kernels leave the next projection's LoRA A products (`Epi::feed_acc`): 32
+/// fixed-point words a link (producer to consumer) of the step, each link its own, all zeroed
+/// at the start of every decode step (`FeedBufs::zero`): a producer's blocks add into them.
 pub(super) struct FeedBufs {
-    pub(super) slots: CudaSlice<f32>,
-    pub(super) blocks: usize,
-}
-
-/// `FeedBufs::slots`' regions.
-#[derive(Clone, Copy)]
-pub(super) enum FeedTo {
-    First = 0,
-    Second = 1,
+    pub(super) acc: CudaSlice<u64>,
+    pub(super) links: usize,
 }
 
 impl FeedBufs {
-    pub(super) fn new(dev: &CudaDevice, blocks: usize) -> Result<Self> {
-        let blocks = blocks.max(1);
+    pub(super) fn new(dev: &CudaDevice, links: usize) -> Result<Self> {
+        let links = links.max(1);
         Ok(FeedBufs {
-            slots: dev.alloc_zeros::<f32>(2 * blocks * 32)?,
-            blocks,
+            acc: dev.alloc_zeros::<u64>(links * 32)?,
+            links,
         })
     }
 
-    /// The device address of a region.
-    pub(super) fn region(&self, to: FeedTo, stream: &CudaStream) -> u64 {
-        ptr(&self.slots, stream) + (to as u64) * (self.blocks * 32 * 4) as u64
+    /// The device address of link `i`'s words.
+    pub(super) fn link(&self, i: usize, stream: &CudaStream) -> u64 {
+        ptr(&self.acc, stream) + (i.min(self.links - 1) * 32 * 8) as u64
+    }
+
+    /// Zeroes every link's words (a memset node in a captured step).
+    pub(super) fn zero(&self, stream: &CudaStream) -> Result<()> {
+        stream.context().bind_to_thread().w()?;
+        // SAFETY: `acc` holds `links * 32` u64 words, i.e. twice as many u32 words
+        unsafe {
+            sys::cuMemsetD32Async(
+                ptr(&self.acc, stream),
+                0,
+                self.links * 64,
+                stream.cu_stream(),
+            )
+        }
+        .result()
+        .w()?;
+        Ok(())
     }
 }
 

@@ -45,7 +45,7 @@ mod launch;
 mod step;
 mod weights;
 
-use buffers::{Buffers, Cache, Dims, FeedBufs, FeedTo};
+use buffers::{Buffers, Cache, Dims, FeedBufs};
 pub(crate) use eligible::unsupported;
 use kernels::AttentionIo;
 use launch::{clusters_available, pdl_available, ptr, Arg, Clusters, Mode, Pdl};
@@ -275,15 +275,10 @@ impl FusedQwen3 {
         }
         shape(&mut head)?;
         let bufs = Buffers::new(dev, &d, 1, max_rtot)?;
-        let most_blocks = layers
-            .iter()
-            .flat_map(|l| [&l.o, &l.gu, &l.down])
-            .map(|p| p.decode.grid)
-            .max()
-            .unwrap_or(0);
+        // o -> gate|up -> down -> the next layer's q|k|v: three links a layer
         let feed = match std::env::var("BOT_CUDA_LORA_FEED").as_deref() {
             Ok("0") => None,
-            _ if max_rtot > 1 => Some(FeedBufs::new(dev, most_blocks)?),
+            _ if max_rtot > 1 => Some(FeedBufs::new(dev, 3 * layers.len())?),
             _ => None,
         };
         let cache = Cache::new(dev, &d, c.num_hidden_layers, 256)?;

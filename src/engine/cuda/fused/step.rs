@@ -7,10 +7,10 @@ use super::*;
 /// it, and/or made here for the projection after it.
 #[derive(Clone, Copy, Default)]
 pub(super) struct Link {
-    /// This projection's A products are in this region, the sums of that many blocks.
-    pub(super) fed: Option<(FeedTo, usize)>,
+    /// This projection's A products are in this link's words (`FeedBufs::link`).
+    pub(super) fed: Option<usize>,
     /// This kernel makes the next projection's A products (its `feed_at` and ranks) there.
-    pub(super) feeds: Option<(FeedTo, u64, usize)>,
+    pub(super) feeds: Option<(usize, u64, usize)>,
 }
 
 /// Whether a projection's decode kernel carries the feed code: the two-row instances (every
@@ -30,16 +30,16 @@ impl FusedQwen3 {
     }
 
     /// The link between `from` and the projection `to` that reads its output, at decode (a
-    /// 4-bit producer too), through `region`: what each of the two is told.
-    fn link(&self, on: bool, from: &Proj, to: &Proj, region: FeedTo) -> (Link, Link) {
+    /// 4-bit producer too), through link `i`'s words: what each of the two is told.
+    fn link(&self, on: bool, from: &Proj, to: &Proj, i: usize) -> (Link, Link) {
         match self.feed_of(to) {
             Some((at, r)) if on && feedable(from) => (
                 Link {
-                    feeds: Some((region, at, r)),
+                    feeds: Some((i, at, r)),
                     ..Link::default()
                 },
                 Link {
-                    fed: Some((region, from.decode.grid)),
+                    fed: Some(i),
                     ..Link::default()
                 },
             ),
@@ -95,14 +95,13 @@ impl FusedQwen3 {
         };
         if let (Some(f), Some((to, at, r))) = (feed, link.feeds) {
             epi.feed_at = at;
-            epi.feed_slots = f.region(to, st);
+            epi.feed_acc = f.link(to, st);
             epi.feed_r = r as i32;
         }
         if let Some(l) = &p.lora {
             let t = match (feed, link.fed) {
-                (Some(f), Some((from, blocks))) => {
-                    epi.fed_slots = f.region(from, st);
-                    epi.fed_blocks = blocks as i32;
+                (Some(f), Some(from)) => {
+                    epi.fed_acc = f.link(from, st);
                     0
                 }
                 _ => {
@@ -332,6 +331,10 @@ impl FusedQwen3 {
             ptr(&b.act, st),
         );
         let pos = ptr(&self.pos, st);
+        if let Some(f) = self.feed.as_ref().filter(|_| m == 1 && hidden.is_none()) {
+            // the decode step's producers add into their links' words
+            f.zero(st)?;
+        }
         self.embed(ptr(&b.ids, st), x, m)?;
         let keep =
             |h: &mut Option<&mut Vec<Vec<f32>>>, src: &CudaSlice<f32>, n: usize| -> Result<()> {
@@ -379,9 +382,9 @@ impl FusedQwen3 {
                 self.qk_norm_rope_cache(&io, pos, m)?;
                 self.attention(&io, pos, m)?;
             }
-            let (o_link, gu_fed) = self.link(on, &l.o, &l.gu, FeedTo::First);
+            let (o_link, gu_fed) = self.link(on, &l.o, &l.gu, 3 * i);
             self.proj("o_proj", &l.o, ao, m, x, x, None, fuse, o_link)?;
-            let (gu_feeds, down_fed) = self.link(on, &l.gu, &l.down, FeedTo::Second);
+            let (gu_feeds, down_fed) = self.link(on, &l.gu, &l.down, 3 * i + 1);
             let gu_link = Link {
                 fed: gu_fed.fed,
                 feeds: gu_feeds.feeds,
@@ -392,7 +395,7 @@ impl FusedQwen3 {
                 self.swiglu(gu, act, m)?;
             }
             let (down_feeds, next_fed) = match self.layers.get(i + 1) {
-                Some(n) => self.link(on, &l.down, &n.qkv, FeedTo::First),
+                Some(n) => self.link(on, &l.down, &n.qkv, 3 * i + 2),
                 None => (Link::default(), Link::default()),
             };
             qkv_link = next_fed;
