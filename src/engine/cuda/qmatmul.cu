@@ -524,6 +524,15 @@ __device__ void qmv4q(const float* __restrict__ x, const uint8_t* __restrict__ w
 #pragma unroll
         for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
         for (int k = tl * 32; k < K; k += 1024 * KW) {
+            // the head's four rows convert theirs before the next step's loads are issued
+            float sr4[ROWS], br4[ROWS];
+            if constexpr (ROWS == 4) {
+#pragma unroll
+                for (int r = 0; r < ROWS; r++) {
+                    sr4[r] = param_value(cur.s[r], sdtype);
+                    br4[r] = param_value(cur.b[r], sdtype);
+                }
+            }
             // the next step's codes, scales and biases in flight while this one is computed
             Q4Step<ROWS> nxt;
             int nr = row0, kn = k;
@@ -545,7 +554,8 @@ __device__ void qmv4q(const float* __restrict__ x, const uint8_t* __restrict__ w
                     d = __dp2a_lo((int)xw[u].z, hi, d);
                     d = __dp2a_hi((int)xw[u].w, hi, d);
                 }
-                const float sr = param_value(cur.s[r], sdtype), br = param_value(cur.b[r], sdtype);
+                const float sr = ROWS == 4 ? sr4[r] : param_value(cur.s[r], sdtype);
+                const float br = ROWS == 4 ? br4[r] : param_value(cur.b[r], sdtype);
                 acc[r] = fmaf(sr * sc.x, (float)d, fmaf(br, sc.y, acc[r]));
             }
             cur = nxt;
