@@ -55,6 +55,7 @@ pub(crate) struct Epi {
     pub feed_acc: u64,
     pub fed_acc: u64,
     pub feed_r: i32,
+    /// Unused: the C struct's last field, named so both layouts list every field.
     pub pad_: i32,
 }
 

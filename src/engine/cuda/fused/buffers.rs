@@ -83,9 +83,10 @@ impl FeedBufs {
         })
     }
 
-    /// The device address of link `i`'s words.
+    /// The device address of link `i`'s words (`i < links`: the step numbers its links).
     pub(super) fn link(&self, i: usize, stream: &CudaStream) -> u64 {
-        ptr(&self.acc, stream) + (i.min(self.links - 1) * 32 * 8) as u64
+        debug_assert!(i < self.links, "feed link {i} of {}", self.links);
+        ptr(&self.acc, stream) + (i * 32 * 8) as u64
     }
 
     /// Zeroes every link's words (a memset node in a captured step).
