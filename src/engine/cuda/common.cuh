@@ -105,7 +105,8 @@ struct Epi {
     int feed_r, pad_;
 };
 
-// One in `Epi::feed_acc`'s fixed point: 2^-32 resolution; a block's sum up to 2^31 in size.
+// One in `Epi::feed_acc`'s fixed point: 2^-32 resolution; t, and each block's share of it, must
+// stay under 2^31 in size (the words would wrap).
 #define FEED_ONE 4294967296.f
 
 // Which part's adapter (0, 1 or 2: t's r-wide slices) output n takes.

@@ -484,6 +484,38 @@ mod tests {
         }
     }
 
+    /// The 4-bit decode kernels with every group size and every scale dtype (bf16, f16, f32:
+    /// they carry a step's scale and bias as raw bits and convert them when the step runs),
+    /// rows that do not fill the last block, and K of one to several 1024-code steps.
+    #[test]
+    fn decode_kernels_read_every_scale_dtype_and_group_size() {
+        let dev = Device::new_cuda(0).expect("a `cuda` build's tests need a GPU");
+        let mut rng = rand::rngs::StdRng::seed_from_u64(41);
+        for sd in [Dtype::BF16, Dtype::F16, Dtype::F32] {
+            for gs in [32, 64, 128] {
+                for (rows, cols) in [(37, 1024), (100, 2304), (9, 4096)] {
+                    let w = Arc::new(random_qmatrix(rows, cols, 4, gs, sd, gs as u64 + 5));
+                    let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1f32..1.0)).collect();
+                    let want = w.matmul_reference(&x, 1);
+                    let xt = Tensor::from_vec(x, (1, cols), &dev).unwrap();
+                    for (kernel, tol) in [(Numerics::Exact, 1e-5), (Numerics::Fast, 3e-3)] {
+                        let got: Vec<f32> = qmatmul(&xt, &w, kernel)
+                            .unwrap()
+                            .flatten_all()
+                            .unwrap()
+                            .to_vec1()
+                            .unwrap();
+                        let e = rel_err(&got, &want);
+                        assert!(
+                            e <= tol,
+                            "{sd} gs {gs} {rows}x{cols} {kernel:?}: rel err {e:.2e} > {tol:.0e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     /// The fp16 prompt kernel scales each row of x by a power of two before rounding it to fp16:
     /// activations far past fp16's range (65504) and far below its normal range still give
     /// the reference's result.
