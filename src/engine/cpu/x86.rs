@@ -54,22 +54,20 @@ mod simd {
     use crate::engine::cpu::quant::{bf16_at, tail_blocks};
 
     /// Every weight row of a task against its activation rows, up to `MR` at a time, through
-    /// `$row::<R, SPLIT>(w, a, n, i0, out)`.
+    /// `$row::<R, SPLIT, G>(w, a, n, i0, out)`.
     macro_rules! each_row {
-        ($row:ident, $w:expr, $a:expr, $first:expr, $m:expr, $split:expr, $outs:expr) => {{
-            let (w, a, first, m, split) = ($w, $a, $first, $m, $split);
+        ($row:ident, $w:expr, $a:expr, $first:expr, $m:expr, $outs:expr) => {{
+            let (w, a, first, m) = ($w, $a, $first, $m);
             for (j, out) in $outs.chunks_exact_mut(m).enumerate() {
                 let mut i = 0;
                 while i < m {
                     let take = (m - i).min(MR);
                     let o = &mut out[i..i + take];
-                    match (take, split) {
-                        (4, true) => $row::<4, true>(w, a, first + j, i, o),
-                        (4, false) => $row::<4, false>(w, a, first + j, i, o),
-                        (_, true) => (0..take)
-                            .for_each(|r| $row::<1, true>(w, a, first + j, i + r, &mut o[r..])),
-                        (_, false) => (0..take)
-                            .for_each(|r| $row::<1, false>(w, a, first + j, i + r, &mut o[r..])),
+                    if take == 4 {
+                        $row::<4, SPLIT, G>(w, a, first + j, i, o);
+                    } else {
+                        (0..take)
+                            .for_each(|r| $row::<1, SPLIT, G>(w, a, first + j, i + r, &mut o[r..]));
                     }
                     i += take;
                 }
@@ -77,8 +75,27 @@ mod simd {
         }};
     }
 
+    /// `$task::<SPLIT, G>(w, a, first, m, outs)` with the activation width and the group
+    /// size (`G` = log2(group size / 32): 0, 1 or 2, as the config allows) as constants, so
+    /// the steps find their scale by a fixed shift and take no branch on it.
+    macro_rules! dispatch {
+        ($task:ident, $w:expr, $a:expr, $first:expr, $m:expr, $split:expr, $outs:expr) => {{
+            let (w, a, first, m, outs) = ($w, $a, $first, $m, $outs);
+            debug_assert!(w.shape.gshift <= 2, "group sizes are 32, 64 or 128");
+            match ($split, w.shape.gshift) {
+                (true, 0) => $task::<true, 0>(w, a, first, m, outs),
+                (true, 1) => $task::<true, 1>(w, a, first, m, outs),
+                (true, _) => $task::<true, 2>(w, a, first, m, outs),
+                (false, 0) => $task::<false, 0>(w, a, first, m, outs),
+                (false, 1) => $task::<false, 1>(w, a, first, m, outs),
+                (false, _) => $task::<false, 2>(w, a, first, m, outs),
+            }
+        }};
+    }
+
     /// `$step!(b, p)` over the steps `0, $w, 2·$w, …` below `$n`, `p` alternating 0 and 1: two
-    /// accumulators, so consecutive steps do not wait on each other's FMA.
+    /// accumulators, so consecutive steps do not wait on each other's FMA (a kernel that keeps
+    /// one, `CHAINS` = 1, takes accumulator 0 for both).
     macro_rules! alternate {
         ($n:expr, $w:expr, $step:ident) => {{
             let (n, w) = ($n, $w);
@@ -118,10 +135,12 @@ mod simd {
         /// The scales one step reads: 4, 2 or 1 (groups of 32, 64, 128 and more).
         smask: __mmask8,
         zero: __m512i,
-        gsh: usize,
     }
 
     impl Step512 {
+        /// Accumulators a weight row keeps (`alternate!`): 32 registers leave room for two.
+        const CHAINS: usize = 2;
+
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
         #[inline]
         unsafe fn new(gsh: usize) -> Self {
@@ -130,7 +149,6 @@ mod simd {
                 idx: _mm512_loadu_si512(SCALE_INDEX[gsh.min(2)].as_ptr() as *const _),
                 smask: [0xf, 0x3, 0x1][gsh.min(2)],
                 zero: _mm512_setzero_si512(),
-                gsh,
             }
         }
 
@@ -161,7 +179,7 @@ mod simd {
         /// start at `rp` and bf16 scales at `sp`.
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
         #[inline]
-        unsafe fn block<const SPLIT: bool>(
+        unsafe fn block<const SPLIT: bool, const G: usize>(
             &self,
             rp: *const u8,
             sp: *const i16,
@@ -173,7 +191,7 @@ mod simd {
             let lo = _mm512_and_si512(wv, self.mask);
             let hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), self.mask);
             // bf16 scales into the high halves of f32 lanes (the low halves zero): f32 values
-            let raw = _mm_maskz_loadu_epi16(self.smask, sp.add(b >> self.gsh));
+            let raw = _mm_maskz_loadu_epi16(self.smask, sp.add(b >> G));
             let ws = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
                 0xAAAA_AAAA,
                 self.idx,
@@ -194,7 +212,7 @@ mod simd {
         /// plus the blocks past the last whole step.
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
         #[inline]
-        unsafe fn finish(
+        unsafe fn finish<const G: usize>(
             &self,
             w: &Rows,
             a: &IntActs,
@@ -223,7 +241,7 @@ mod simd {
             let mut y = _mm512_reduce_add_ps(bv);
             let quads = nb & !3;
             if quads < nb {
-                y += tail_blocks(w.row(n), w.row_scales(n), self.gsh, a, i, quads..nb);
+                y += tail_blocks(w.row(n), w.row_scales(n), G, a, i, quads..nb);
             }
             y
         }
@@ -242,19 +260,23 @@ mod simd {
         mask16: __m256i,
         ones: __m256i,
         zero: __m256i,
-        gsh: usize,
     }
 
     impl Step256 {
+        /// One accumulator a weight row: with two, the pair kernel's 16 registers spilled one
+        /// to the stack every step; the two rows of a pair are already two FMA chains (Zen 1
+        /// EPYC, one core, 3072x1024 and 1024x3072 at m = 1: +2-4%).
+        const CHAINS: usize = 1;
+
+        /// (`gsh` is unused: the steps take the group size as the constant `G`.)
         #[target_feature(enable = "avx2,fma")]
         #[inline]
-        unsafe fn new(gsh: usize) -> Self {
+        unsafe fn new(_gsh: usize) -> Self {
             Step256 {
                 mask: _mm256_set1_epi8(0x0f),
                 mask16: _mm256_set1_epi16(0x0f),
                 ones: _mm256_set1_epi16(1),
                 zero: _mm256_setzero_si256(),
-                gsh,
             }
         }
 
@@ -286,7 +308,7 @@ mod simd {
         /// start at `rp` and bf16 scales at `sp`.
         #[target_feature(enable = "avx2,fma")]
         #[inline]
-        unsafe fn block<const SPLIT: bool>(
+        unsafe fn block<const SPLIT: bool, const G: usize>(
             &self,
             rp: *const u8,
             sp: *const i16,
@@ -297,10 +319,10 @@ mod simd {
             let wv = _mm256_loadu_si256(rp.add(b * 16) as *const __m256i);
             let scale = |g: usize| f32::from_bits((sp.add(g).read_unaligned() as u16 as u32) << 16);
             // groups of 64 and more share one scale across the pair of blocks
-            let ws = if self.gsh > 0 {
+            let ws = if G > 0 {
                 // every 16-bit lane the bf16, then each 32-bit lane shifted: the f32 in two
                 // instructions (a scalar load, shift and broadcast took four)
-                let h = _mm256_set1_epi16(sp.add(b >> self.gsh).read_unaligned());
+                let h = _mm256_set1_epi16(sp.add(b >> G).read_unaligned());
                 _mm256_castsi256_ps(_mm256_slli_epi32(h, 16))
             } else {
                 _mm256_set_m128(_mm_set1_ps(scale(b + 1)), _mm_set1_ps(scale(b)))
@@ -331,7 +353,7 @@ mod simd {
         /// Σx_g` eight groups at a time, reduced, plus an odd trailing block.
         #[target_feature(enable = "avx2,fma")]
         #[inline]
-        unsafe fn finish(
+        unsafe fn finish<const G: usize>(
             &self,
             w: &Rows,
             a: &IntActs,
@@ -355,7 +377,7 @@ mod simd {
             let mut y = (g..gpr).map(|g| bf16_at(bb, g) * gs[g]).sum::<f32>();
             let paired = nb & !1;
             if paired < nb {
-                y += tail_blocks(w.row(n), w.row_scales(n), self.gsh, a, i, paired..nb);
+                y += tail_blocks(w.row(n), w.row_scales(n), G, a, i, paired..nb);
             }
             let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
             let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -382,64 +404,68 @@ mod simd {
                 split: bool,
                 outs: &mut [f32],
             ) {
-                if m > 1 {
-                    each_row!($row, w, a, first, m, split, outs);
-                    return;
-                }
-                let mut j = 0;
-                while j + 2 <= outs.len() {
-                    let (o0, o1) = outs[j..j + 2].split_at_mut(1);
-                    if split {
-                        $pair::<true>(w, a, first + j, &mut o0[0], &mut o1[0]);
-                    } else {
-                        $pair::<false>(w, a, first + j, &mut o0[0], &mut o1[0]);
+                dispatch!(task, w, a, first, m, split, outs);
+
+                #[target_feature(enable = $feat)]
+                unsafe fn task<const SPLIT: bool, const G: usize>(
+                    w: &Rows,
+                    a: &IntActs,
+                    first: usize,
+                    m: usize,
+                    outs: &mut [f32],
+                ) {
+                    if m > 1 {
+                        each_row!($row, w, a, first, m, outs);
+                        return;
                     }
-                    j += 2;
-                }
-                if j < outs.len() {
-                    if split {
-                        $row::<1, true>(w, a, first + j, 0, &mut outs[j..]);
-                    } else {
-                        $row::<1, false>(w, a, first + j, 0, &mut outs[j..]);
+                    let mut j = 0;
+                    while j + 2 <= outs.len() {
+                        let (o0, o1) = outs[j..j + 2].split_at_mut(1);
+                        $pair::<SPLIT, G>(w, a, first + j, &mut o0[0], &mut o1[0]);
+                        j += 2;
+                    }
+                    if j < outs.len() {
+                        $row::<1, SPLIT, G>(w, a, first + j, 0, &mut outs[j..]);
                     }
                 }
             }
 
             #[target_feature(enable = $feat)]
             #[inline]
-            unsafe fn $row<const R: usize, const SPLIT: bool>(
+            unsafe fn $row<const R: usize, const SPLIT: bool, const G: usize>(
                 w: &Rows,
                 a: &IntActs,
                 n: usize,
                 i0: usize,
                 out: &mut [f32],
             ) {
-                let c = $step::new(w.shape.gshift);
+                let c = $step::new(G);
                 let (rp, sp) = (w.row(n).as_ptr(), w.row_scales(n).as_ptr() as *const i16);
                 let mut acc = [[$zero; 2]; R];
                 macro_rules! step {
                     ($d b:expr, $d p:tt) => {
                         for r in 0..R {
                             let x = c.acts::<SPLIT>(a, i0 + r, $d b);
-                            acc[r][$d p] = c.block::<SPLIT>(rp, sp, $d b, &x, acc[r][$d p]);
+                            let p = usize::min($d p, $step::CHAINS - 1);
+                            acc[r][p] = c.block::<SPLIT, G>(rp, sp, $d b, &x, acc[r][p]);
                         }
                     };
                 }
                 alternate!(w.shape.nb / $w * $w, $w, step);
                 for r in 0..R {
-                    out[r] = c.finish(w, a, n, i0 + r, acc[r]);
+                    out[r] = c.finish::<G>(w, a, n, i0 + r, acc[r]);
                 }
             }
 
             #[target_feature(enable = $feat)]
-            unsafe fn $pair<const SPLIT: bool>(
+            unsafe fn $pair<const SPLIT: bool, const G: usize>(
                 w: &Rows,
                 a: &IntActs,
                 n: usize,
                 out0: &mut f32,
                 out1: &mut f32,
             ) {
-                let c = $step::new(w.shape.gshift);
+                let c = $step::new(G);
                 let rp = [w.row(n).as_ptr(), w.row(n + 1).as_ptr()];
                 let sp = [
                     w.row_scales(n).as_ptr() as *const i16,
@@ -449,6 +475,7 @@ mod simd {
                 macro_rules! step {
                     ($d b:expr, $d p:tt) => {{
                         let x = c.acts::<SPLIT>(a, 0, $d b);
+                        let p = usize::min($d p, $step::CHAINS - 1);
                         for r in 0..2 {
                             if $d b % 4 == 0 {
                                 // a hint: an address past the matrix does not fault
@@ -456,13 +483,13 @@ mod simd {
                                     rp[r].wrapping_add($d b * 16 + PFD) as *const i8,
                                 );
                             }
-                            acc[r][$d p] = c.block::<SPLIT>(rp[r], sp[r], $d b, &x, acc[r][$d p]);
+                            acc[r][p] = c.block::<SPLIT, G>(rp[r], sp[r], $d b, &x, acc[r][p]);
                         }
                     }};
                 }
                 alternate!(w.shape.nb / $w * $w, $w, step);
-                *out0 = c.finish(w, a, n, 0, acc[0]);
-                *out1 = c.finish(w, a, n + 1, 0, acc[1]);
+                *out0 = c.finish::<G>(w, a, n, 0, acc[0]);
+                *out1 = c.finish::<G>(w, a, n + 1, 0, acc[1]);
             }
         };
     }
@@ -490,19 +517,30 @@ mod simd {
         split: bool,
         outs: &mut [f32],
     ) {
-        each_row!(row256, w, a, first, m, split, outs);
+        dispatch!(task, w, a, first, m, split, outs);
+
+        #[target_feature(enable = "avxvnni,avx2,fma")]
+        unsafe fn task<const SPLIT: bool, const G: usize>(
+            w: &Rows,
+            a: &IntActs,
+            first: usize,
+            m: usize,
+            outs: &mut [f32],
+        ) {
+            each_row!(row256, w, a, first, m, outs);
+        }
     }
 
     #[target_feature(enable = "avxvnni,avx2,fma")]
     #[inline]
-    unsafe fn row256<const R: usize, const SPLIT: bool>(
+    unsafe fn row256<const R: usize, const SPLIT: bool, const G: usize>(
         w: &Rows,
         a: &IntActs,
         n: usize,
         i0: usize,
         out: &mut [f32],
     ) {
-        let (k, nb, gsh, gpr) = (a.k, w.shape.nb, w.shape.gshift, w.shape.gpr);
+        let (k, nb, gpr) = (a.k, w.shape.nb, w.shape.gpr);
         let (sb, bb) = (w.row_scales(n), w.row_biases(n));
         let rp = w.row(n).as_ptr();
         let paired = nb & !1;
@@ -518,8 +556,8 @@ mod simd {
                 let wv = _mm256_loadu_si256(rp.add(b * 16) as *const __m256i);
                 let lo = _mm256_and_si256(wv, mask);
                 let hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), mask);
-                let ws = if gsh > 0 {
-                    _mm256_set1_ps(bf16_at(sb, b >> gsh))
+                let ws = if G > 0 {
+                    _mm256_set1_ps(bf16_at(sb, b >> G))
                 } else {
                     _mm256_set_m128(_mm_set1_ps(bf16_at(sb, b + 1)), _mm_set1_ps(bf16_at(sb, b)))
                 };
@@ -558,7 +596,7 @@ mod simd {
             }
             let mut y = (g..gpr).map(|g| bf16_at(bb, g) * *gs.add(g)).sum::<f32>();
             if paired < nb {
-                y += tail_blocks(w.row(n), sb, gsh, a, i0 + r, paired..nb);
+                y += tail_blocks(w.row(n), sb, G, a, i0 + r, paired..nb);
             }
             let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
             let h = _mm_add_ps(h, _mm_movehl_ps(h, h));

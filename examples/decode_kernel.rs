@@ -1,0 +1,48 @@
+//! Times the CPU decode matvec (`qmatmul`, m = 1) on one thread for the 0.6B shape's two
+//! matrix kinds, in G weights/s: the kernel alone, for A/B of kernel changes on one machine.
+//! `bot bench` stays the measure of what users run.
+//!
+//!   cargo run --release --example decode_kernel [fast|int8] [rounds]
+use std::time::Instant;
+
+use bot::engine::quant::{random, Numerics};
+use bot::engine::weights::Dtype;
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let kernel = match args.next().as_deref() {
+        Some("int8") => Numerics::Int8,
+        _ => Numerics::Fast,
+    };
+    let rounds: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(5);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .expect("pool");
+    for (rows, cols) in [(3072, 1024), (1024, 3072)] {
+        let w = random::qmatrix(rows, cols, 4, 64, Dtype::BF16, 7);
+        let x: Vec<f32> = (0..cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+            .collect();
+        let mut y = vec![0f32; rows];
+        let reps = 400;
+        let mut best = Vec::new();
+        for _ in 0..rounds {
+            let t = Instant::now();
+            pool.install(|| {
+                for _ in 0..reps {
+                    bot::engine::cpu::quant::qmatmul(&w, &x, 1, &mut y, kernel);
+                }
+            });
+            best.push((rows * cols * reps) as f64 / t.elapsed().as_secs_f64() / 1e9);
+        }
+        best.sort_by(|a, b| a.total_cmp(b));
+        println!(
+            "{rows}x{cols} {kernel:?}: median {:.2} G weights/s (min {:.2}, max {:.2}); y[0] {}",
+            best[best.len() / 2],
+            best[0],
+            best[best.len() - 1],
+            y[0]
+        );
+    }
+}
