@@ -1,8 +1,8 @@
-//! Times the CPU decode matvec (`qmatmul`, m = 1) on one thread for the 0.6B shape's two
+//! Times the CPU decode matvec (`qmatmul`, m = 1) on one thread (or more) for the 0.6B shape's
 //! matrix kinds, in G weights/s: the kernel alone, for A/B of kernel changes on one machine.
 //! `bot bench` stays the measure of what users run.
 //!
-//!   cargo run --release --example decode_kernel [fast|int8] [rounds]
+//!   cargo run --release --example decode_kernel [fast|int8] [rounds] [threads]
 use std::time::Instant;
 
 use bot::engine::quant::{random, Numerics};
@@ -15,17 +15,18 @@ fn main() {
         _ => Numerics::Fast,
     };
     let rounds: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(5);
+    let threads: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(1);
     let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(1)
+        .num_threads(threads)
         .build()
         .expect("pool");
-    for (rows, cols) in [(3072, 1024), (1024, 3072)] {
+    for (rows, cols) in [(3072, 1024), (1024, 3072), (151936, 1024)] {
         let w = random::qmatrix(rows, cols, 4, 64, Dtype::BF16, 7);
         let x: Vec<f32> = (0..cols)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
             .collect();
         let mut y = vec![0f32; rows];
-        let reps = 400;
+        let reps = (1_200_000_000 / (rows * cols)).max(1);
         let mut best = Vec::new();
         for _ in 0..rounds {
             let t = Instant::now();
