@@ -14,7 +14,7 @@ fn main() {
         Some("int8") => Numerics::Int8,
         _ => Numerics::Fast,
     };
-    let rounds: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(5);
+    let rounds: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(5).max(1);
     let threads: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(1);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)

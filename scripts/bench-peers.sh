@@ -11,7 +11,8 @@
 # from an empty cache, its decode at a depth of 64: the context `bot bench` decodes in) and
 # `bot bench --threads T --prompt-tokens 64 --gen-tokens 64 --repeats 3` (default sampler,
 # default kernel: what users run). Prints one table row per run and the ratios bot / llama.cpp.
-# Env: THREADS (default: all cores), ROUNDS (2), BOT (default target/release/bot), WORK (/tmp/bot-peers).
+# Env: THREADS (default: all cores), ROUNDS (2), BOT (default target/release/bot), WORK (/tmp/bot-peers);
+# LB, GGUF_PY, PY, MAKE_GGUF (below) for a machine without ../shared.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PEERS=${PEERS:-../shared/peers}
@@ -22,14 +23,17 @@ WORK=${WORK:-/tmp/bot-peers}
 SHAPES=("$@"); [ ${#SHAPES[@]} -gt 0 ] || SHAPES=(qwen3-0.6b)
 mkdir -p "$WORK"
 [ -x "$BOT" ] || cargo build --release >&2
-LB=$(bash "$PEERS/build-llama-cpp.sh" cpu)
-GGUF_PY=$(bash "$PEERS/build-llama-cpp.sh" gguf-py)
-PY=${PEERS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/bot-peers}/venv/bin/python
+# LB, GGUF_PY, PY and MAKE_GGUF may name a llama-bench, gguf-py, a Python with numpy and
+# make_random_gguf.py built elsewhere (a machine without ../shared, e.g. the GPU machine's CPU)
+LB=${LB:-$(bash "$PEERS/build-llama-cpp.sh" cpu)}
+GGUF_PY=${GGUF_PY:-$(bash "$PEERS/build-llama-cpp.sh" gguf-py)}
+PY=${PY:-${PEERS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/bot-peers}/venv/bin/python}
+MAKE_GGUF=${MAKE_GGUF:-$PEERS/make_random_gguf.py}
 echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//') ($(nproc) cores; $("$BOT" doctor 2>/dev/null | grep '^cpu kernels' || true))"
 echo "threads $THREADS; llama-bench: $LB"
 for shape in "${SHAPES[@]}"; do
   g=$WORK/$shape-q4_0-pure.gguf; d=$WORK/$shape-mlx
-  [ -f "$g" ] || PYTHONPATH=$GGUF_PY "$PY" "$PEERS/make_random_gguf.py" --model "$shape" --type q4_0 --pure -o "$g" >&2
+  [ -f "$g" ] || PYTHONPATH=$GGUF_PY "$PY" "$MAKE_GGUF" --model "$shape" --type q4_0 --pure -o "$g" >&2
   [ -f "$d/config.json" ] || "$BOT" bench --synthetic "$shape" --save "$d" >&2
   for r in $(seq "$ROUNDS"); do
     # the prompt from an empty cache; decode after those 64 tokens (`-d 64`), as `bot bench` does

@@ -480,9 +480,11 @@ fn int_q4(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], split: bool, isa: Isa
     });
 }
 
-/// Whether the integer kernels take this matrix (4-bit codes, bf16 scales and biases).
+/// Whether the integer kernels take this matrix (4-bit codes, groups of 32, 64 or 128 (the
+/// x86 kernels have one variant each), bf16 scales and biases).
 fn int_ok(w: &QMatrix, isa: Isa) -> bool {
     w.params.bits == 4
+        && matches!(w.params.group_size, 32 | 64 | 128)
         && w.scales.dtype == Dtype::BF16
         && w.biases.dtype == Dtype::BF16
         && isa != Isa::Scalar
@@ -899,6 +901,7 @@ mod tests {
             (64, 1, 1024),
             (128, 7, 640),
             (128, 1, 512),
+            (64, 1, 448),
             (64, 6, 384),
             (32, 5, 1056),
             (64, 3, 64),

@@ -81,14 +81,17 @@ mod simd {
     macro_rules! dispatch {
         ($task:ident, $w:expr, $a:expr, $first:expr, $m:expr, $split:expr, $outs:expr) => {{
             let (w, a, first, m, outs) = ($w, $a, $first, $m, $outs);
-            debug_assert!(w.shape.gshift <= 2, "group sizes are 32, 64 or 128");
             match ($split, w.shape.gshift) {
                 (true, 0) => $task::<true, 0>(w, a, first, m, outs),
                 (true, 1) => $task::<true, 1>(w, a, first, m, outs),
-                (true, _) => $task::<true, 2>(w, a, first, m, outs),
+                (true, 2) => $task::<true, 2>(w, a, first, m, outs),
                 (false, 0) => $task::<false, 0>(w, a, first, m, outs),
                 (false, 1) => $task::<false, 1>(w, a, first, m, outs),
-                (false, _) => $task::<false, 2>(w, a, first, m, outs),
+                (false, 2) => $task::<false, 2>(w, a, first, m, outs),
+                // `quant::int_ok` sends no other group size here
+                (_, g) => {
+                    unreachable!("integer kernels take groups of 32, 64 or 128, not 32 << {g}")
+                }
             }
         }};
     }
@@ -349,7 +352,7 @@ mod simd {
             _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(ws, *dxv), acc)
         }
 
-        /// Weight row `n`'s output for activation row `i`: the two accumulators, `Σ_g b_g ·
+        /// Weight row `n`'s output for activation row `i`: its accumulator(s), `Σ_g b_g ·
         /// Σx_g` eight groups at a time, reduced, plus an odd trailing block.
         #[target_feature(enable = "avx2,fma")]
         #[inline]
