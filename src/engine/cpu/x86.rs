@@ -146,11 +146,11 @@ mod simd {
 
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
         #[inline]
-        unsafe fn new(gsh: usize) -> Self {
+        unsafe fn new<const G: usize>() -> Self {
             Step512 {
                 mask: _mm512_set1_epi8(0x0f),
-                idx: _mm512_loadu_si512(SCALE_INDEX[gsh.min(2)].as_ptr() as *const _),
-                smask: [0xf, 0x3, 0x1][gsh.min(2)],
+                idx: _mm512_loadu_si512(SCALE_INDEX[G].as_ptr() as *const _),
+                smask: [0xf, 0x3, 0x1][G],
                 zero: _mm512_setzero_si512(),
             }
         }
@@ -271,10 +271,10 @@ mod simd {
         /// EPYC, one core, 3072x1024 and 1024x3072 at m = 1: +2-4%).
         const CHAINS: usize = 1;
 
-        /// (`gsh` is unused: the steps take the group size as the constant `G`.)
+        /// (`G` is the kernels' shared signature: only AVX-512's scale gather needs it here.)
         #[target_feature(enable = "avx2,fma")]
         #[inline]
-        unsafe fn new(_gsh: usize) -> Self {
+        unsafe fn new<const G: usize>() -> Self {
             Step256 {
                 mask: _mm256_set1_epi8(0x0f),
                 mask16: _mm256_set1_epi16(0x0f),
@@ -442,7 +442,7 @@ mod simd {
                 i0: usize,
                 out: &mut [f32],
             ) {
-                let c = $step::new(G);
+                let c = $step::new::<G>();
                 let (rp, sp) = (w.row(n).as_ptr(), w.row_scales(n).as_ptr() as *const i16);
                 let mut acc = [[$zero; 2]; R];
                 macro_rules! step {
@@ -468,7 +468,7 @@ mod simd {
                 out0: &mut f32,
                 out1: &mut f32,
             ) {
-                let c = $step::new(G);
+                let c = $step::new::<G>();
                 let rp = [w.row(n).as_ptr(), w.row(n + 1).as_ptr()];
                 let sp = [
                     w.row_scales(n).as_ptr() as *const i16,
