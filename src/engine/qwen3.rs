@@ -653,10 +653,18 @@ impl Qwen3 {
             // Every CPU matmul hands its rows to the worker pool. Called from outside it, each
             // of a step's ~200 hand-offs would put this thread to sleep and wake it again
             // (a futex round trip each); run from a worker, the whole pass costs one.
+            // A decode step's regions are too short for rayon's wake-ups: its workers spin
+            // for this one pass instead (`team`). A prompt's GEMMs keep rayon's pool.
             let model = OnWorker(self);
             return rayon::scope(move |_| {
                 let model = model;
-                model.0.forward_on_workers(ids, all_logits, keep_hidden)
+                if ids.len() == 1 {
+                    crate::engine::cpu::team::Team::lead(|| {
+                        model.0.forward_on_workers(ids, all_logits, keep_hidden)
+                    })
+                } else {
+                    model.0.forward_on_workers(ids, all_logits, keep_hidden)
+                }
             });
         }
         self.forward_on_workers(ids, all_logits, keep_hidden)

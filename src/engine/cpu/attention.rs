@@ -4,9 +4,8 @@
 //! for the exp (the samplers' `exp_neg`, within 2 ulp), minus its per-op allocations and the
 //! KV copies a strided cache view costs every step.
 
-use rayon::prelude::*;
-
 use crate::engine::cpu::quant::dot;
+use crate::engine::cpu::team;
 
 /// Keys and values of the tokens seen so far, one (T, D) block per KV head: a head's attention
 /// then reads two contiguous streams. (Rows of `n_kv * head_dim` values put a head's
@@ -102,6 +101,24 @@ fn norm_rope_rows(
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     d: &Dims,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: &[f32],
+    q_norm: &[f32],
+    k_norm: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    kv: &mut HostKv,
+) -> Vec<f32> {
+    let simd = crate::engine::cpu::isa::active().avx2();
+    attend_with(d, q, k, v, q_norm, k_norm, cos, sin, kv, simd)
+}
+
+/// `attend` with the AVX2 + FMA kernels (`simd`, x86-64 only: the caller has checked the CPU)
+/// or the portable loops.
+#[allow(clippy::too_many_arguments)]
+fn attend_with(
+    d: &Dims,
     mut q: Vec<f32>,
     mut k: Vec<f32>,
     v: &[f32],
@@ -110,6 +127,7 @@ pub fn attend(
     cos: &[f32],
     sin: &[f32],
     kv: &mut HostKv,
+    simd: bool,
 ) -> Vec<f32> {
     let (nh, nkv, hd) = (d.n_heads, d.n_kv, d.head_dim);
     let l = q.len() / (nh * hd);
@@ -123,7 +141,6 @@ pub fn attend(
     // one task per KV head, for the query heads that share it: their K and V rows are read
     // once (with the layout above: 93-97 -> 79-84 us a layer at 96 positions, the measure of
     // `HostKv`); its rows of `out` are strided, so collect then scatter
-    let avx2 = crate::engine::cpu::isa::active().avx2();
     let group = |g: usize| {
         let grp = Group {
             q: &q,
@@ -137,15 +154,17 @@ pub fn attend(
             scale,
         };
         #[cfg(target_arch = "x86_64")]
-        if avx2 {
-            // SAFETY: the CPU has AVX2 and FMA (`isa` detected them).
+        if simd && hd % 8 == 0 {
+            // SAFETY: the CPU has AVX2 and FMA (`isa` detected them, or the caller checked).
             return unsafe { grp.run_avx2() };
         }
-        let _ = avx2;
+        let _ = simd;
         grp.run()
     };
-    let per_group: Vec<Vec<f32>> = (0..nkv).into_par_iter().map(group).collect();
-    for (g, o) in per_group.iter().enumerate() {
+    let mut per_group: Vec<(usize, Vec<f32>)> = (0..nkv).map(|g| (g, Vec::new())).collect();
+    team::for_each_mut(&mut per_group, |(g, o)| *o = group(*g));
+    for (g, o) in &per_group {
+        let g = *g;
         for r in 0..rep {
             let h = g * rep + r;
             for i in 0..l {
@@ -173,12 +192,113 @@ struct Group<'a> {
 }
 
 impl Group<'_> {
-    /// The same code compiled for AVX2 + FMA (8-wide dot products and updates; the default
-    /// build targets baseline x86-64, 4-wide SSE2).
+    /// `run` with AVX2 + FMA intrinsics (`hd` a multiple of 8). The portable loops leave the
+    /// compiler one dependent chain per dot product (strict f32 order: no reassociation, no
+    /// FMA contraction), so a q·k dot waits on 16 adds in a row, and P·V keeps its sums in
+    /// memory. Here four keys' dots run as four independent chains that share each load of q,
+    /// and P·V holds 64 output values in registers across all positions. The sums are the
+    /// same terms in another order (FMA-rounded).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn run_avx2(&self) -> Vec<f32> {
-        self.run()
+        use std::arch::x86_64::*;
+        let Group {
+            q,
+            kv,
+            g,
+            rep,
+            nh,
+            hd,
+            l,
+            offset,
+            scale,
+        } = *self;
+        debug_assert_eq!(hd % 8, 0);
+        let (keys, values) = (&kv.k[g], &kv.v[g]);
+        let mut o = vec![0f32; rep * l * hd];
+        let t_max = offset + l;
+        let mut probs = vec![0f32; rep * t_max];
+        for i in 0..l {
+            let visible = offset + i + 1;
+            let (kp, vp) = (keys.as_ptr(), values.as_ptr());
+            for r in 0..rep {
+                let qp = q[(i * nh + g * rep + r) * hd..][..hd].as_ptr();
+                let sr = &mut probs[r * t_max..r * t_max + visible];
+                let mut t = 0;
+                while t + 4 <= visible {
+                    let k0 = kp.add(t * hd);
+                    let (mut a0, mut a1, mut a2, mut a3) = (
+                        _mm256_setzero_ps(),
+                        _mm256_setzero_ps(),
+                        _mm256_setzero_ps(),
+                        _mm256_setzero_ps(),
+                    );
+                    for d in (0..hd).step_by(8) {
+                        let qv = _mm256_loadu_ps(qp.add(d));
+                        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0.add(d)), a0);
+                        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0.add(hd + d)), a1);
+                        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0.add(2 * hd + d)), a2);
+                        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0.add(3 * hd + d)), a3);
+                    }
+                    // lanes (a0 0..3, a1 0..3, a2 0..3, a3 0..3 | the same of 4..7), then halves
+                    let h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+                    let s4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+                    _mm_storeu_ps(
+                        sr[t..t + 4].as_mut_ptr(),
+                        _mm_mul_ps(s4, _mm_set1_ps(scale)),
+                    );
+                    t += 4;
+                }
+                for (tt, s) in sr.iter_mut().enumerate().skip(t) {
+                    let kt = kp.add(tt * hd);
+                    let mut a = _mm256_setzero_ps();
+                    for d in (0..hd).step_by(8) {
+                        a = _mm256_fmadd_ps(
+                            _mm256_loadu_ps(qp.add(d)),
+                            _mm256_loadu_ps(kt.add(d)),
+                            a,
+                        );
+                    }
+                    *s = hsum256(a) * scale;
+                }
+                let max = sr.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                let mut sum = 0f32;
+                for s in sr.iter_mut() {
+                    *s = crate::engine::sample::exp_neg(*s - max);
+                    sum += *s;
+                }
+                sr.iter_mut().for_each(|s| *s /= sum);
+                // P·V: 64 (then 8) output values at a time, summed over every position
+                let orow = o[(r * l + i) * hd..][..hd].as_mut_ptr();
+                let mut d0 = 0;
+                while d0 + 64 <= hd {
+                    let mut acc = [_mm256_setzero_ps(); 8];
+                    for (tt, &p) in sr.iter().enumerate() {
+                        let (pv, vt) = (_mm256_set1_ps(p), vp.add(tt * hd + d0));
+                        for (j, a) in acc.iter_mut().enumerate() {
+                            *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt.add(8 * j)), *a);
+                        }
+                    }
+                    for (j, a) in acc.iter().enumerate() {
+                        _mm256_storeu_ps(orow.add(d0 + 8 * j), *a);
+                    }
+                    d0 += 64;
+                }
+                while d0 < hd {
+                    let mut a = _mm256_setzero_ps();
+                    for (tt, &p) in sr.iter().enumerate() {
+                        a = _mm256_fmadd_ps(
+                            _mm256_set1_ps(p),
+                            _mm256_loadu_ps(vp.add(tt * hd + d0)),
+                            a,
+                        );
+                    }
+                    _mm256_storeu_ps(orow.add(d0), a);
+                    d0 += 8;
+                }
+            }
+        }
+        o
     }
 
     #[inline(always)]
@@ -235,6 +355,16 @@ impl Group<'_> {
     }
 }
 
+/// The sum of the eight lanes of `a`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn hsum256(a: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -286,7 +416,19 @@ mod tests {
     /// reference's inputs too.
     #[test]
     fn grouped_heads_match_the_reference() {
-        let hd = 64;
+        #[cfg(target_arch = "x86_64")]
+        let simd = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        #[cfg(not(target_arch = "x86_64"))]
+        let simd = false;
+        if !simd {
+            eprintln!("attention: no AVX2 + FMA here, the portable loops only");
+        }
+        for (hd, simd) in [(64, false), (64, simd), (32, simd), (128, simd), (72, simd)] {
+            grouped_heads_at(hd, simd);
+        }
+    }
+
+    fn grouped_heads_at(hd: usize, simd: bool) {
         let norm = |x: &mut [f32]| {
             for h in x.chunks_exact_mut(hd) {
                 let r = 1.0 / (h.iter().map(|v| v * v).sum::<f32>() / hd as f32 + 1e-6).sqrt();
@@ -324,7 +466,18 @@ mod tests {
                     val(l * nkv * hd, step + 5),
                     val(l * nkv * hd, step + 9),
                 );
-                let got = attend(&d, q.clone(), k.clone(), &v, &w, &w, &cos, &sin, &mut kv);
+                let got = attend_with(
+                    &d,
+                    q.clone(),
+                    k.clone(),
+                    &v,
+                    &w,
+                    &w,
+                    &cos,
+                    &sin,
+                    &mut kv,
+                    simd,
+                );
                 let (mut qn, mut kn) = (q, k);
                 norm(&mut qn);
                 norm(&mut kn);
@@ -335,7 +488,10 @@ mod tests {
                     .iter()
                     .zip(&want)
                     .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
-                assert!(err <= 1e-5, "heads {nh}/{nkv} step {step}: max |Δ| {err}");
+                assert!(
+                    err <= 1e-5,
+                    "hd {hd} simd {simd} heads {nh}/{nkv} step {step}: max |Δ| {err}"
+                );
                 assert_eq!(kv.positions(hd), offset + l);
             }
         }

@@ -6,4 +6,5 @@ pub mod gemm;
 pub mod isa;
 pub mod quant;
 pub mod sample;
+pub mod team;
 pub mod x86;

@@ -19,6 +19,7 @@
 use rayon::prelude::*;
 
 use crate::engine::cpu::isa::{self, Isa};
+use crate::engine::cpu::team;
 use crate::engine::quant::{Numerics, ParamView, QMatrix};
 use crate::engine::weights::Dtype;
 
@@ -148,9 +149,9 @@ fn task_rows(rows: usize) -> usize {
 fn for_rows(rows: usize, m: usize, y: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
     let chunk = task_rows(rows);
     if m == 1 {
-        y.par_chunks_mut(chunk)
-            .enumerate()
-            .for_each(|(c, ys)| f(c * chunk, ys));
+        // a decode row: on the decode step's team when there is one
+        let mut parts: Vec<_> = y.chunks_mut(chunk).enumerate().collect();
+        team::for_each_mut(&mut parts, |(c, ys)| f(*c * chunk, ys));
         return;
     }
     let mut yt = vec![0f32; rows * m];
@@ -521,9 +522,9 @@ pub fn qmatvec_shared(ws: &[&QMatrix], x: &[f32], kernel: Numerics) -> Option<Ve
             tasks.push((i, c * chunk, part));
         }
     }
-    tasks
-        .into_par_iter()
-        .for_each(|(i, first, outs)| int_task(ws[i], &a, first, 1, split, isa, outs));
+    team::for_each_mut(&mut tasks, |(i, first, outs)| {
+        int_task(ws[*i], &a, *first, 1, split, isa, outs)
+    });
     Some(ys)
 }
 
