@@ -111,11 +111,17 @@ pub fn attend(
     kv: &mut HostKv,
 ) -> Vec<f32> {
     let simd = crate::engine::cpu::isa::active().avx2();
-    attend_with(d, q, k, v, q_norm, k_norm, cos, sin, kv, simd)
+    // with more threads than KV heads, a task a query head (each reads its K and V rows)
+    let per_task = if rayon::current_num_threads() > d.n_kv {
+        1
+    } else {
+        d.n_heads / d.n_kv
+    };
+    attend_with(d, q, k, v, q_norm, k_norm, cos, sin, kv, simd, per_task)
 }
 
 /// `attend` with the AVX2 + FMA kernels (`simd`, x86-64 only: the caller has checked the CPU)
-/// or the portable loops.
+/// or the portable loops, `per_task` query heads a task (a divisor of the heads a KV head has).
 #[allow(clippy::too_many_arguments)]
 fn attend_with(
     d: &Dims,
@@ -128,6 +134,7 @@ fn attend_with(
     sin: &[f32],
     kv: &mut HostKv,
     simd: bool,
+    per_task: usize,
 ) -> Vec<f32> {
     let (nh, nkv, hd) = (d.n_heads, d.n_kv, d.head_dim);
     let l = q.len() / (nh * hd);
@@ -141,12 +148,13 @@ fn attend_with(
     // one task per KV head, for the query heads that share it: their K and V rows are read
     // once (with the layout above: 93-97 -> 79-84 us a layer at 96 positions, the measure of
     // `HostKv`); its rows of `out` are strided, so collect then scatter
-    let group = |g: usize| {
+    let group = |h0: usize| {
         let grp = Group {
             q: &q,
             kv,
-            g,
-            rep,
+            g: h0 / rep,
+            h0,
+            rep: per_task,
             nh,
             hd,
             l,
@@ -161,12 +169,15 @@ fn attend_with(
         let _ = simd;
         grp.run()
     };
-    let mut per_group: Vec<(usize, Vec<f32>)> = (0..nkv).map(|g| (g, Vec::new())).collect();
-    team::for_each_mut(&mut per_group, |(g, o)| *o = group(*g));
-    for (g, o) in &per_group {
-        let g = *g;
-        for r in 0..rep {
-            let h = g * rep + r;
+    debug_assert_eq!(rep % per_task, 0);
+    let mut per_group: Vec<(usize, Vec<f32>)> = (0..nh)
+        .step_by(per_task)
+        .map(|h0| (h0, Vec::new()))
+        .collect();
+    team::for_each_mut(&mut per_group, |(h0, o)| *o = group(*h0));
+    for (h0, o) in &per_group {
+        for r in 0..per_task {
+            let h = h0 + r;
             for i in 0..l {
                 out[(i * nh + h) * hd..(i * nh + h + 1) * hd]
                     .copy_from_slice(&o[(r * l + i) * hd..(r * l + i + 1) * hd]);
@@ -176,13 +187,14 @@ fn attend_with(
     out
 }
 
-/// Causal attention of the `rep` query heads sharing KV head `g` over the cache: (rep, L, D)
-/// outputs. Each head's arithmetic is that of a head alone (same sums in the same order); the
+/// Causal attention of `rep` query heads from `h0` on, which share KV head `g`, over the
+/// cache: (rep, L, D) outputs. Each head's arithmetic is that of a head alone (same sums in the same order); the
 /// heads only share the walk over the cached rows.
 struct Group<'a> {
     q: &'a [f32],
     kv: &'a HostKv,
     g: usize,
+    h0: usize,
     rep: usize,
     nh: usize,
     hd: usize,
@@ -206,6 +218,7 @@ impl Group<'_> {
             q,
             kv,
             g,
+            h0,
             rep,
             nh,
             hd,
@@ -222,7 +235,7 @@ impl Group<'_> {
             let visible = offset + i + 1;
             let (kp, vp) = (keys.as_ptr(), values.as_ptr());
             for r in 0..rep {
-                let qp = q[(i * nh + g * rep + r) * hd..][..hd].as_ptr();
+                let qp = q[(i * nh + h0 + r) * hd..][..hd].as_ptr();
                 let sr = &mut probs[r * t_max..r * t_max + visible];
                 let mut t = 0;
                 while t + 4 <= visible {
@@ -307,6 +320,7 @@ impl Group<'_> {
             q,
             kv,
             g,
+            h0,
             rep,
             nh,
             hd,
@@ -322,7 +336,7 @@ impl Group<'_> {
         for i in 0..l {
             let visible = offset + i + 1; // causal: positions 0..=offset+i
             let qh = |r: usize| {
-                let h = g * rep + r;
+                let h = h0 + r;
                 &q[(i * nh + h) * hd..(i * nh + h + 1) * hd]
             };
             for (t, kt) in keys.chunks_exact(hd).take(visible).enumerate() {
@@ -424,11 +438,13 @@ mod tests {
             eprintln!("attention: no AVX2 + FMA here, the portable loops only");
         }
         for (hd, simd) in [(64, false), (64, simd), (32, simd), (128, simd), (72, simd)] {
-            grouped_heads_at(hd, simd);
+            for one_head_a_task in [false, true] {
+                grouped_heads_at(hd, simd, one_head_a_task);
+            }
         }
     }
 
-    fn grouped_heads_at(hd: usize, simd: bool) {
+    fn grouped_heads_at(hd: usize, simd: bool, one_head_a_task: bool) {
         let norm = |x: &mut [f32]| {
             for h in x.chunks_exact_mut(hd) {
                 let r = 1.0 / (h.iter().map(|v| v * v).sum::<f32>() / hd as f32 + 1e-6).sqrt();
@@ -477,6 +493,7 @@ mod tests {
                     &sin,
                     &mut kv,
                     simd,
+                    if one_head_a_task { 1 } else { nh / nkv },
                 );
                 let (mut qn, mut kn) = (q, k);
                 norm(&mut qn);
@@ -490,7 +507,8 @@ mod tests {
                     .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
                 assert!(
                     err <= 1e-5,
-                    "hd {hd} simd {simd} heads {nh}/{nkv} step {step}: max |Δ| {err}"
+                    "hd {hd} simd {simd} one head a task {one_head_a_task} heads {nh}/{nkv} \
+                     step {step}: max |Δ| {err}"
                 );
                 assert_eq!(kv.positions(hd), offset + l);
             }
