@@ -47,7 +47,10 @@ struct SendPtr<T>(*mut T);
 unsafe impl<T: Send> Sync for SendPtr<T> {}
 
 thread_local! {
+    /// The team whose regions this thread opens now (null inside a region's task).
     static LEADING: Cell<*const Team> = const { Cell::new(std::ptr::null()) };
+    /// Whether this thread is inside `Team::lead`.
+    static LEADS: Cell<bool> = const { Cell::new(false) };
 }
 
 type Job<'a> = &'a (dyn Fn(usize) + Sync);
@@ -61,9 +64,6 @@ pub struct Team {
     done: AtomicUsize,
     panicked: AtomicBool,
     stop: AtomicBool,
-    /// The leader's index in the pool: a helper job the leader itself picks up (rayon runs
-    /// queued jobs while a join waits) returns at once instead of spinning under the leader.
-    leader: Option<usize>,
 }
 
 // SAFETY: `job` is written only by the leader while no region is open (every task of the last
@@ -71,9 +71,8 @@ pub struct Team {
 unsafe impl Sync for Team {}
 
 impl Team {
-    fn new(leader: Option<usize>) -> Self {
+    fn new() -> Self {
         Team {
-            leader,
             state: AtomicU64::new(0),
             job: std::cell::UnsafeCell::new(None),
             done: AtomicUsize::new(0),
@@ -86,32 +85,38 @@ impl Team {
     /// workers helping in its parallel regions, and returns its result once they are released.
     pub fn lead<R: Send>(f: impl FnOnce() -> R + Send) -> R {
         let helpers = rayon::current_num_threads().saturating_sub(1);
-        let leader = rayon::current_thread_index();
-        if helpers == 0 || leader.is_none() {
+        if helpers == 0 || rayon::current_thread_index().is_none() {
             return f();
         }
-        let team = Team::new(leader);
+        let team = Team::new();
         let team = &team;
         rayon::scope(|s| {
             for _ in 0..helpers {
                 s.spawn(move |_| team.help());
             }
             // released on every way out of `f`, or the scope would wait on the helpers forever
-            struct Release<'a>(&'a Team, *const Team);
+            struct Release<'a>(&'a Team, *const Team, bool);
             impl Drop for Release<'_> {
                 fn drop(&mut self) {
                     LEADING.with(|l| l.set(self.1));
+                    LEADS.with(|l| l.set(self.2));
                     self.0.stop.store(true, Ordering::Release);
                 }
             }
-            let _release = Release(team, LEADING.with(|l| l.replace(team)));
+            let _release = Release(
+                team,
+                LEADING.with(|l| l.replace(team)),
+                LEADS.with(|l| l.replace(true)),
+            );
             f()
         })
     }
 
     /// A helper: runs the tasks it claims until the leader releases it.
     fn help(&self) {
-        if rayon::current_thread_index() == self.leader {
+        // A leader never helps: rayon runs queued jobs on a thread waiting in a join, and a
+        // leader spinning under another team's (or its own) helper job could wait on itself.
+        if LEADS.with(Cell::get) {
             return;
         }
         let mut seen = self.state.load(Ordering::Acquire) >> 32;
@@ -226,6 +231,29 @@ mod tests {
             let n = threads.lock().map(|s| s.len()).unwrap_or(0);
             assert!(n >= 2, "lead {lead}: tasks ran on {n} thread(s)");
         }
+    }
+
+    /// Two teams on one pool at once, their leaders also waiting in rayon joins (where rayon
+    /// runs queued jobs, such as the other team's helpers): both finish, each item once.
+    #[test]
+    fn two_leaders_on_one_pool_finish() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("pool");
+        let body = || {
+            Team::lead(|| {
+                let mut counts = vec![0u32; 16];
+                for _ in 0..200 {
+                    for_each_mut(&mut counts, |c| *c += 1);
+                    let (a, b) = rayon::join(|| 1, || 2);
+                    assert_eq!(a + b, 3);
+                }
+                counts
+            })
+        };
+        let (a, b) = pool.install(|| rayon::join(body, body));
+        assert!(a.iter().chain(&b).all(|&c| c == 200));
     }
 
     /// A panicking task reaches the leader as a panic, and the team is released (no hang).
