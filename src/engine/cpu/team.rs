@@ -10,9 +10,11 @@
 //! region can never claim a task of a later one, so it never calls a closure that is gone.
 //! Outside a team (prefill, tests on a pool, nested calls) `for_each_mut` is rayon's.
 
+use std::any::Any;
 use std::cell::Cell;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 use rayon::prelude::*;
 
@@ -49,8 +51,19 @@ unsafe impl<T: Send> Sync for SendPtr<T> {}
 thread_local! {
     /// The team whose regions this thread opens now (null inside a region's task).
     static LEADING: Cell<*const Team> = const { Cell::new(std::ptr::null()) };
-    /// Whether this thread is inside `Team::lead`.
-    static LEADS: Cell<bool> = const { Cell::new(false) };
+    /// Whether this thread leads a team or helps one now.
+    static IN_TEAM: Cell<bool> = const { Cell::new(false) };
+}
+
+/// One wait of a spin: a pause instruction, and after ~4k of them in a row (~0.1-0.5 ms)
+/// a yield to the OS as well, for a machine with more runnable threads than cores.
+fn pause(idle: &mut u32) {
+    *idle = idle.saturating_add(1);
+    if *idle > 4096 {
+        std::thread::yield_now();
+    } else {
+        std::hint::spin_loop();
+    }
 }
 
 type Job<'a> = &'a (dyn Fn(usize) + Sync);
@@ -62,6 +75,8 @@ pub struct Team {
     /// The current region's closure, written by the leader before it publishes the region.
     job: std::cell::UnsafeCell<Option<Job<'static>>>,
     done: AtomicUsize,
+    /// The first panic of a region's tasks, for the leader to resume.
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
     panicked: AtomicBool,
     stop: AtomicBool,
 }
@@ -76,6 +91,7 @@ impl Team {
             state: AtomicU64::new(0),
             job: std::cell::UnsafeCell::new(None),
             done: AtomicUsize::new(0),
+            panic: Mutex::new(None),
             panicked: AtomicBool::new(false),
             stop: AtomicBool::new(false),
         }
@@ -91,44 +107,50 @@ impl Team {
         let team = Team::new();
         let team = &team;
         rayon::scope(|s| {
-            for _ in 0..helpers {
-                s.spawn(move |_| team.help());
-            }
-            // released on every way out of `f`, or the scope would wait on the helpers forever
+            // released on every way out (of `f`, or of a spawn), or the scope would wait on
+            // the helpers forever
             struct Release<'a>(&'a Team, *const Team, bool);
             impl Drop for Release<'_> {
                 fn drop(&mut self) {
                     LEADING.with(|l| l.set(self.1));
-                    LEADS.with(|l| l.set(self.2));
+                    IN_TEAM.with(|l| l.set(self.2));
                     self.0.stop.store(true, Ordering::Release);
                 }
             }
             let _release = Release(
                 team,
                 LEADING.with(|l| l.replace(team)),
-                LEADS.with(|l| l.replace(true)),
+                IN_TEAM.with(|l| l.replace(true)),
             );
+            for _ in 0..helpers {
+                s.spawn(move |_| team.help());
+            }
             f()
         })
     }
 
     /// A helper: runs the tasks it claims until the leader releases it.
     fn help(&self) {
-        // A leader never helps: rayon runs queued jobs on a thread waiting in a join, and a
-        // leader spinning under another team's (or its own) helper job could wait on itself.
-        if LEADS.with(Cell::get) {
+        // Neither a leader nor a helper (inside a task that waits in a rayon join) takes a
+        // helper job: rayon runs queued jobs on a thread waiting in a join, and a thread that
+        // spun there, under the work it interrupted, could wait on itself.
+        if IN_TEAM.with(|t| t.replace(true)) {
             return;
         }
-        let mut seen = self.state.load(Ordering::Acquire) >> 32;
+        // no region has this number: a region open already is joined at once
+        let mut seen = u64::MAX;
+        let mut idle = 0u32;
         loop {
             let v = self.state.load(Ordering::Acquire);
             if v >> 32 != seen {
                 seen = v >> 32;
                 self.work(seen);
+                idle = 0;
             } else if self.stop.load(Ordering::Acquire) {
+                IN_TEAM.with(|t| t.set(false));
                 return;
             } else {
-                std::hint::spin_loop();
+                pause(&mut idle);
             }
         }
     }
@@ -150,11 +172,14 @@ impl Team {
             }
             // SAFETY: a task of the open region is claimed, so the leader is waiting for it
             // and `job` is that region's closure.
-            let job = unsafe { *self.job.get() };
-            if let Some(job) = job {
-                if catch_unwind(AssertUnwindSafe(|| job(next as usize))).is_err() {
-                    self.panicked.store(true, Ordering::Release);
+            let Some(job) = (unsafe { *self.job.get() }) else {
+                unreachable!("team: a claimed task without its region's closure");
+            };
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| job(next as usize))) {
+                if let Ok(mut first) = self.panic.lock() {
+                    first.get_or_insert(p);
                 }
+                self.panicked.store(true, Ordering::Release);
             }
             self.done.fetch_add(1, Ordering::AcqRel);
         }
@@ -176,18 +201,20 @@ impl Team {
         let region = (self.state.load(Ordering::Acquire) >> 32) + 1;
         self.state
             .store(region << 32 | (tasks as u64) << 16, Ordering::Release);
-        let own = catch_unwind(AssertUnwindSafe(|| self.work(region)));
+        self.work(region);
+        let mut idle = 0u32;
         while self.done.load(Ordering::Acquire) < tasks {
-            std::hint::spin_loop();
+            pause(&mut idle);
         }
         // SAFETY: every task has finished; nothing reads `job` until the next region opens.
         unsafe { *self.job.get() = None };
         LEADING.with(|l| l.set(leading));
-        if let Err(p) = own {
-            resume_unwind(p);
-        }
         if self.panicked.swap(false, Ordering::AcqRel) {
-            panic!("a decode worker panicked in a parallel region");
+            let p = self.panic.lock().ok().and_then(|mut p| p.take());
+            match p {
+                Some(p) => resume_unwind(p),
+                None => panic!("a decode worker panicked in a parallel region"),
+            }
         }
     }
 }
@@ -233,48 +260,79 @@ mod tests {
         }
     }
 
-    /// Two teams on one pool at once, their leaders also waiting in rayon joins (where rayon
-    /// runs queued jobs, such as the other team's helpers): both finish, each item once.
+    /// Two teams on one pool at once, their leaders also waiting in rayon joins, and tasks
+    /// opening regions of their own (which go to rayon), on pools whose workers take their own
+    /// oldest queued job first (`breadth_first`: a leader's own helper jobs come before its
+    /// join's) and on default pools: all finish, each item once.
     #[test]
-    fn two_leaders_on_one_pool_finish() {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .expect("pool");
-        let body = || {
-            Team::lead(|| {
-                let mut counts = vec![0u32; 16];
-                for _ in 0..200 {
-                    for_each_mut(&mut counts, |c| *c += 1);
-                    let (a, b) = rayon::join(|| 1, || 2);
-                    assert_eq!(a + b, 3);
-                }
-                counts
-            })
-        };
-        let (a, b) = pool.install(|| rayon::join(body, body));
-        assert!(a.iter().chain(&b).all(|&c| c == 200));
+    fn teams_with_joins_and_nested_regions_finish() {
+        for breadth_first in [false, true] {
+            let mut b = rayon::ThreadPoolBuilder::new().num_threads(3);
+            if breadth_first {
+                b = b.breadth_first();
+            }
+            let pool = b.build().expect("pool");
+            let body = || {
+                Team::lead(|| {
+                    let mut counts = vec![[0u32; 4]; 16];
+                    for _ in 0..100 {
+                        for_each_mut(&mut counts, |c| {
+                            c[0] += 1;
+                            for_each_mut(&mut c[1..], |x| *x += 1);
+                        });
+                        let (a, b) = rayon::join(|| 1, || 2);
+                        assert_eq!(a + b, 3);
+                    }
+                    counts
+                })
+            };
+            let (a, b) = pool.install(|| rayon::join(body, body));
+            assert!(
+                a.iter().chain(&b).flatten().all(|&c| c == 100),
+                "breadth_first {breadth_first}"
+            );
+        }
     }
 
-    /// A panicking task reaches the leader as a panic, and the team is released (no hang).
+    /// A panicking task reaches the leader with its own payload, the other tasks still run,
+    /// and the worker leads a working team afterwards.
     #[test]
     fn a_panicking_task_panics_the_leader() {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(2)
             .build()
             .expect("pool");
-        let r = pool.install(|| {
-            catch_unwind(|| {
+        pool.install(|| {
+            let mut v: Vec<(usize, u32)> = (0..64).map(|i| (i, 0)).collect();
+            let r = catch_unwind(AssertUnwindSafe(|| {
                 Team::lead(|| {
-                    let mut v = vec![0u32; 64];
-                    for_each_mut(&mut v, |x| {
-                        if *x == 0 {
-                            panic!("task");
+                    for_each_mut(&mut v, |(i, n)| {
+                        *n += 1;
+                        if *i == 5 {
+                            panic!("task 5");
+                        }
+                    })
+                })
+            }));
+            let msg = r
+                .err()
+                .and_then(|p| p.downcast_ref::<&str>().map(|s| s.to_string()));
+            assert_eq!(msg.as_deref(), Some("task 5"));
+            assert!(v.iter().all(|&(_, n)| n == 1));
+            assert!(!IN_TEAM.with(Cell::get) && LEADING.with(Cell::get).is_null());
+            let threads = Mutex::new(std::collections::HashSet::new());
+            Team::lead(|| {
+                for _ in 0..100 {
+                    for_each_mut(&mut v, |_| {
+                        let t = std::time::Instant::now();
+                        while t.elapsed() < std::time::Duration::from_micros(5) {}
+                        if let Ok(mut s) = threads.lock() {
+                            s.insert(std::thread::current().id());
                         }
                     });
-                })
-            })
+                }
+            });
+            assert!(threads.lock().map(|s| s.len()).unwrap_or(0) >= 2);
         });
-        assert!(r.is_err());
     }
 }
