@@ -145,9 +145,10 @@ fn attend_with(
     let scale = (hd as f32).powf(-0.5);
     let rep = nh / nkv;
     let mut out = vec![0f32; l * nh * hd];
-    // one task per KV head, for the query heads that share it: their K and V rows are read
-    // once (with the layout above: 93-97 -> 79-84 us a layer at 96 positions, the measure of
-    // `HostKv`); its rows of `out` are strided, so collect then scatter
+    // a task per KV head, for the query heads that share it, reads their K and V rows once
+    // (with the layout above: 93-97 -> 79-84 us a layer at 96 positions, the measure of
+    // `HostKv`); with `per_task` < `rep` they are read once a task. A task's rows of `out`
+    // are strided, so collect then scatter
     let group = |h0: usize| {
         let grp = Group {
             q: &q,
@@ -188,8 +189,8 @@ fn attend_with(
 }
 
 /// Causal attention of `rep` query heads from `h0` on, which share KV head `g`, over the
-/// cache: (rep, L, D) outputs. Each head's arithmetic is that of a head alone (same sums in the same order); the
-/// heads only share the walk over the cached rows.
+/// cache: (rep, L, D) outputs. Each head's arithmetic is that of a head alone (same sums in
+/// the same order); the heads only share the walk over the cached rows.
 struct Group<'a> {
     q: &'a [f32],
     kv: &'a HostKv,
@@ -274,13 +275,7 @@ impl Group<'_> {
                     }
                     *s = hsum256(a) * scale;
                 }
-                let max = sr.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-                let mut sum = 0f32;
-                for s in sr.iter_mut() {
-                    *s = crate::engine::sample::exp_neg(*s - max);
-                    sum += *s;
-                }
-                sr.iter_mut().for_each(|s| *s /= sum);
+                softmax(sr);
                 // P·V: 64 (then 8) output values at a time, summed over every position
                 let orow = o[(r * l + i) * hd..][..hd].as_mut_ptr();
                 let mut d0 = 0;
@@ -332,7 +327,6 @@ impl Group<'_> {
         let mut o = vec![0f32; rep * l * hd];
         let t_max = offset + l;
         let mut scores = vec![0f32; rep * t_max];
-        let mut sums = vec![0f32; rep];
         for i in 0..l {
             let visible = offset + i + 1; // causal: positions 0..=offset+i
             let qh = |r: usize| {
@@ -345,19 +339,11 @@ impl Group<'_> {
                 }
             }
             for r in 0..rep {
-                let sr = &mut scores[r * t_max..r * t_max + visible];
-                let max = sr.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-                let mut sum = 0f32;
-                for s in sr.iter_mut() {
-                    // the samplers' exp (within 2 ulp of libm's, no call): 79-84 -> 76-77 us
-                    *s = crate::engine::sample::exp_neg(*s - max);
-                    sum += *s;
-                }
-                sums[r] = sum;
+                softmax(&mut scores[r * t_max..r * t_max + visible]);
             }
             for (t, vt) in values.chunks_exact(hd).take(visible).enumerate() {
                 for r in 0..rep {
-                    let p = scores[r * t_max + t] / sums[r];
+                    let p = scores[r * t_max + t];
                     let oi = &mut o[(r * l + i) * hd..(r * l + i + 1) * hd];
                     for (a, b) in oi.iter_mut().zip(vt) {
                         *a += p * b;
@@ -367,6 +353,19 @@ impl Group<'_> {
         }
         o
     }
+}
+
+/// `s` -> softmax(s) in place: `exp(s - max) / Σ`.
+#[inline(always)]
+fn softmax(s: &mut [f32]) {
+    let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let mut sum = 0f32;
+    for v in s.iter_mut() {
+        // the samplers' exp (within 2 ulp of libm's, no call): 79-84 -> 76-77 us
+        *v = crate::engine::sample::exp_neg(*v - max);
+        sum += *v;
+    }
+    s.iter_mut().for_each(|v| *v /= sum);
 }
 
 /// The sum of the eight lanes of `a`.

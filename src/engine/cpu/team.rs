@@ -14,7 +14,7 @@ use std::any::Any;
 use std::cell::Cell;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use rayon::prelude::*;
 
@@ -25,12 +25,12 @@ const MAX_TASKS: usize = u16::MAX as usize;
 /// leads one, else on rayon's pool.
 pub fn for_each_mut<T: Send>(items: &mut [T], f: impl Fn(&mut T) + Sync) {
     let team = LEADING.with(Cell::get);
-    if items.len() < 2 || team.is_null() || items.len() > MAX_TASKS {
-        if items.len() < 2 {
-            items.iter_mut().for_each(f);
-        } else {
-            items.par_iter_mut().for_each(&f);
-        }
+    if items.len() < 2 {
+        items.iter_mut().for_each(f);
+        return;
+    }
+    if team.is_null() || items.len() > MAX_TASKS {
+        items.par_iter_mut().for_each(&f);
         return;
     }
     let base = SendPtr(items.as_mut_ptr());
@@ -77,7 +77,6 @@ pub struct Team {
     done: AtomicUsize,
     /// The first panic of a region's tasks, for the leader to resume.
     panic: Mutex<Option<Box<dyn Any + Send>>>,
-    panicked: AtomicBool,
     stop: AtomicBool,
 }
 
@@ -92,7 +91,6 @@ impl Team {
             job: std::cell::UnsafeCell::new(None),
             done: AtomicUsize::new(0),
             panic: Mutex::new(None),
-            panicked: AtomicBool::new(false),
             stop: AtomicBool::new(false),
         }
     }
@@ -176,13 +174,15 @@ impl Team {
                 unreachable!("team: a claimed task without its region's closure");
             };
             if let Err(p) = catch_unwind(AssertUnwindSafe(|| job(next as usize))) {
-                if let Ok(mut first) = self.panic.lock() {
-                    first.get_or_insert(p);
-                }
-                self.panicked.store(true, Ordering::Release);
+                self.first_panic().get_or_insert(p);
             }
             self.done.fetch_add(1, Ordering::AcqRel);
         }
+    }
+
+    /// The slot of a region's first panic (a poisoned lock still holds it).
+    fn first_panic(&self) -> MutexGuard<'_, Option<Box<dyn Any + Send>>> {
+        self.panic.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// One parallel region of `tasks` (2..=MAX_TASKS) tasks: `f(i)` for each `i`, on this
@@ -209,12 +209,9 @@ impl Team {
         // SAFETY: every task has finished; nothing reads `job` until the next region opens.
         unsafe { *self.job.get() = None };
         LEADING.with(|l| l.set(leading));
-        if self.panicked.swap(false, Ordering::AcqRel) {
-            let p = self.panic.lock().ok().and_then(|mut p| p.take());
-            match p {
-                Some(p) => resume_unwind(p),
-                None => panic!("a decode worker panicked in a parallel region"),
-            }
+        let panic = self.first_panic().take();
+        if let Some(p) = panic {
+            resume_unwind(p);
         }
     }
 }
