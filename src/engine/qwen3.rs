@@ -10,6 +10,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::kv_cache::KvCache;
 
 use crate::engine::config::Qwen3Config;
+use crate::engine::cpu;
 use crate::engine::cpu::attention::{self, Dims, HostKv};
 use crate::engine::cpu::sample::CpuSampler;
 use crate::engine::error::{EngineError, Result};
@@ -225,7 +226,12 @@ impl Mlp {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let [g, u] = Linear::forward_shared([&self.gate_proj, &self.up_proj], x)?;
-        self.down_proj.forward(&(candle_nn::ops::silu(&g)? * u)?)
+        let a = if g.device().is_cpu() && g.dtype() == DType::F32 {
+            g.apply_op2_no_bwd(&u, &cpu::act::SiluMul)?
+        } else {
+            (candle_nn::ops::silu(&g)? * u)?
+        };
+        self.down_proj.forward(&a)
     }
 }
 

@@ -1,0 +1,185 @@
+//! The MLP's activation on the CPU, `silu(gate) * up` (mlx_lm's Qwen3 `MLP`: `nn.silu(gate) *
+//! up`, with `silu(x) = x * sigmoid(x)`), in one pass over host slices, split over threads for
+//! prompts. candle's two ops (`silu`, then `*`) ran on one thread with a libm `exp` a value
+//! and two tensor allocations: 46-52 ms of a 1.06 s 64-token prefill of the 0.6B shape on 2
+//! threads, the same ~60 ms on 16 threads of a Xeon, where it was a quarter of the prefill.
+//!
+//! `sigmoid` uses the shared `exp_neg` (`x ≤ 0`, within 2 ulp) on `-|x|`, so no value
+//! overflows: `1 / (1 + e)` for `x ≥ 0`, `e / (1 + e)` below. The AVX2 path runs the same
+//! operations in the same order, so both give the same bits (tested).
+
+use rayon::prelude::*;
+
+use crate::engine::sample::exp_neg;
+
+/// Values a task takes in a prompt's pass (below this, one thread does it all).
+const CHUNK: usize = 16 * 1024;
+
+/// `out[i] = silu(g[i]) * u[i]`.
+pub fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
+    assert!(g.len() == u.len() && g.len() == out.len());
+    if g.len() <= CHUNK {
+        return silu_mul_serial(g, u, out);
+    }
+    out.par_chunks_mut(CHUNK)
+        .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
+        .for_each(|(o, (g, u))| silu_mul_serial(g, u, o));
+}
+
+fn silu_mul_serial(g: &[f32], u: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::engine::cpu::isa::active().avx2() {
+        // SAFETY: the active instruction set has AVX2 and FMA; the lengths are equal (asserted
+        // by the caller).
+        return unsafe { avx2::silu_mul(g, u, out) };
+    }
+    silu_mul_scalar(g, u, out, 0)
+}
+
+/// The portable loop from element `start` on.
+fn silu_mul_scalar(g: &[f32], u: &[f32], out: &mut [f32], start: usize) {
+    for ((o, &g), &u) in out.iter_mut().zip(g).zip(u).skip(start) {
+        *o = silu1(g) * u;
+    }
+}
+
+#[inline]
+fn silu1(x: f32) -> f32 {
+    let e = exp_neg(-x.abs());
+    let num = if x >= 0.0 { 1.0 } else { e };
+    x * (num / (1.0 + e))
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use crate::engine::sample::exp_consts::*;
+
+    /// `exp_neg` on 8 lanes, the scalar operations in the same order.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp_neg8(x: __m256) -> __m256 {
+        let valid = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(FLOOR));
+        let x = _mm256_max_ps(x, _mm256_set1_ps(FLOOR));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
+        );
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-C1), x);
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-C2), r);
+        let mut p = _mm256_set1_ps(P[0]);
+        for c in &P[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
+        }
+        let y = _mm256_add_ps(
+            _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
+            _mm256_set1_ps(1.0),
+        );
+        let e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+        let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e));
+        _mm256_and_ps(_mm256_mul_ps(y, pow2), valid)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
+        let n8 = g.len() / 8 * 8;
+        let sign = _mm256_set1_ps(-0.0);
+        let one = _mm256_set1_ps(1.0);
+        for i in (0..n8).step_by(8) {
+            let x = _mm256_loadu_ps(g.as_ptr().add(i));
+            let e = exp_neg8(_mm256_or_ps(x, sign)); // exp(-|x|)
+            let pos = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_setzero_ps());
+            let num = _mm256_blendv_ps(e, one, pos);
+            let s = _mm256_mul_ps(x, _mm256_div_ps(num, _mm256_add_ps(one, e)));
+            let y = _mm256_mul_ps(s, _mm256_loadu_ps(u.as_ptr().add(i)));
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), y);
+        }
+        super::silu_mul_scalar(g, u, out, n8);
+    }
+}
+
+/// `silu(gate) * up` as a candle op on CPU f32 tensors of one shape (any layout).
+pub struct SiluMul;
+
+impl candle_core::CustomOp2 for SiluMul {
+    fn name(&self) -> &'static str {
+        "silu-mul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &candle_core::CpuStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CpuStorage,
+        l2: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use candle_core::CpuStorage;
+        let (CpuStorage::F32(g), CpuStorage::F32(u)) = (s1, s2) else {
+            candle_core::bail!("silu-mul takes f32 tensors");
+        };
+        if l1.shape() != l2.shape() {
+            candle_core::bail!("silu-mul: shapes {:?} and {:?}", l1.shape(), l2.shape());
+        }
+        let (Some((g0, g1)), Some((u0, u1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
+        else {
+            candle_core::bail!("silu-mul: inputs must be contiguous");
+        };
+        let mut out = vec![0f32; g1 - g0];
+        silu_mul(&g[g0..g1], &u[u0..u1], &mut out);
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inputs(n: usize) -> (Vec<f32>, Vec<f32>) {
+        let g = (0..n)
+            .map(|i| match i % 97 {
+                0 => -100.0,
+                1 => 100.0,
+                2 => 0.0,
+                3 => -0.0,
+                4 => -88.5,
+                _ => ((i * 7919 % 2003) as f32 - 1001.0) / 60.0,
+            })
+            .collect();
+        let u = (0..n).map(|i| ((i * 31 % 17) as f32 - 8.0) / 3.0).collect();
+        (g, u)
+    }
+
+    /// Against `x / (1 + exp(-x)) * u` in f64: within 4e-7 relative plus a tiny absolute term
+    /// (the exp is within 2 ulp; three roundings follow), at lengths that leave vector tails
+    /// and that take the parallel split.
+    #[test]
+    fn silu_mul_matches_f64() {
+        for n in [1, 7, 8, 100, 3072, 3 * CHUNK + 5] {
+            let (g, u) = inputs(n);
+            let mut out = vec![f32::NAN; n];
+            silu_mul(&g, &u, &mut out);
+            for i in 0..n {
+                let (x, v) = (g[i] as f64, u[i] as f64);
+                let want = x / (1.0 + (-x).exp()) * v;
+                let err = (out[i] as f64 - want).abs();
+                assert!(
+                    err <= 4e-7 * want.abs() + 1e-30,
+                    "n {n} i {i}: silu({x}) * {v} = {} want {want}",
+                    out[i]
+                );
+            }
+        }
+    }
+
+    /// The AVX2 loop gives the portable loop's bits.
+    #[test]
+    fn vector_and_portable_agree_bitwise() {
+        let (g, u) = inputs(4099);
+        let mut want = vec![0f32; g.len()];
+        silu_mul_scalar(&g, &u, &mut want, 0);
+        let mut got = vec![0f32; g.len()];
+        silu_mul_serial(&g, &u, &mut got);
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(a.to_bits(), b.to_bits(), "i {i}: g {} u {}", g[i], u[i]);
+        }
+    }
+}
