@@ -29,7 +29,7 @@ export REQUIRE_PDS=1
 cargo test --locked "$@"
 # The default (fast) kernel's greedy ids against mlx_lm on every CPU instruction set this
 # machine has (BOT_CPU_ISA is per process); the ones it lacks are named, not silently skipped.
-for isa in scalar:fpu avx2:avx2 avx-vnni:avx_vnni avx512-vnni:avx512_vnni; do
+for isa in scalar:fpu avx2:avx2 avx-vnni:avx_vnni avx512-vnni:avx512_vnni amx:amx_int8; do
   if grep -qw "${isa#*:}" /proc/cpuinfo; then
     echo "greedy ids on the fixtures with BOT_CPU_ISA=${isa%%:*}" >&2
     BOT_CPU_ISA=${isa%%:*} cargo test --locked "$@" --test integration fast_kernel_matches_mlx -- --quiet >&2

@@ -35,7 +35,7 @@ pub fn available() -> bool {
 /// check `available()` first.
 pub fn qgemm(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32]) {
     debug_assert!(available());
-    if crate::engine::cpu::isa::active() == crate::engine::cpu::isa::Isa::Avx512Vnni {
+    if crate::engine::cpu::isa::active().avx512() {
         qgemm_tiled::<MR512, NR512>(w, x, m, y, avx512::kernel)
     } else {
         qgemm_tiled::<MR, NR>(w, x, m, y, avx2::kernel_6x16)

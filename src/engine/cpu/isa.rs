@@ -1,15 +1,18 @@
 //! Which instruction set the CPU kernels use, chosen once per process by feature detection:
-//! on x86-64 AVX-512 with VNNI (Ice Lake and later Xeons, Zen 4 and 5), else AVX-VNNI (Alder
-//! Lake and later desktop parts), else AVX2+FMA; the VNNI ones change only the 4-bit decode
-//! kernel (`x86.rs`), everything else runs its AVX2 code there. On aarch64 NEON with the dot-product extension (`sdot`: every Apple
+//! on x86-64 AMX int8 tiles with AVX-512 VNNI (Sapphire Rapids and later Xeons, where Linux
+//! grants the tile state), else AVX-512 with VNNI (Ice Lake and later Xeons, Zen 4 and 5), else
+//! AVX-VNNI (Alder Lake and later desktop parts), else AVX2+FMA; the VNNI ones change only the
+//! 4-bit decode kernel (`x86.rs`), AVX-512 the prompt's f32 tile, AMX the prompt's `fast`
+//! GEMM (`amx.rs`); everything else runs its AVX2 code there. On aarch64 NEON with the dot-product extension (`sdot`: every Apple
 //! Silicon CPU, Graviton 2 and later) or plain NEON (every aarch64 CPU); else the scalar path.
-//! `BOT_CPU_ISA=scalar|avx2|avx-vnni|avx512-vnni|neon|neon-dotprod` overrides it (tests of the fallbacks, bisecting a wrong
+//! `BOT_CPU_ISA=scalar|avx2|avx-vnni|avx512-vnni|amx|neon|neon-dotprod` overrides it (tests of the fallbacks, bisecting a wrong
 //! result); naming an instruction set this CPU lacks is an error at start-up, not a crash.
 
 use std::sync::OnceLock;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
+    Amx,
     Avx512Vnni,
     AvxVnni,
     Avx2,
@@ -20,7 +23,8 @@ pub enum Isa {
 
 impl Isa {
     /// Best first.
-    pub const ALL: [Isa; 6] = [
+    pub const ALL: [Isa; 7] = [
+        Isa::Amx,
         Isa::Avx512Vnni,
         Isa::AvxVnni,
         Isa::Avx2,
@@ -31,11 +35,17 @@ impl Isa {
 
     /// An x86-64 set that includes AVX2 and FMA (the AVX2 kernels run).
     pub fn avx2(self) -> bool {
-        matches!(self, Isa::Avx512Vnni | Isa::AvxVnni | Isa::Avx2)
+        matches!(self, Isa::Amx | Isa::Avx512Vnni | Isa::AvxVnni | Isa::Avx2)
+    }
+
+    /// An x86-64 set that includes AVX-512 F/BW/VL and VNNI.
+    pub fn avx512(self) -> bool {
+        matches!(self, Isa::Amx | Isa::Avx512Vnni)
     }
 
     pub fn name(self) -> &'static str {
         match self {
+            Isa::Amx => "amx",
             Isa::Avx512Vnni => "avx512-vnni",
             Isa::AvxVnni => "avx-vnni",
             Isa::Avx2 => "avx2",
@@ -63,6 +73,8 @@ impl Isa {
                     && std::is_x86_feature_detected!("avx512vl")
                     && std::is_x86_feature_detected!("avx512vnni")
             }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Amx => Isa::Avx512Vnni.supported() && crate::engine::cpu::amx::granted(),
             #[cfg(target_arch = "x86_64")]
             Isa::AvxVnni => Isa::Avx2.supported() && std::is_x86_feature_detected!("avxvnni"),
             #[cfg(target_arch = "x86_64")]
@@ -97,7 +109,7 @@ pub fn from_env(value: Option<&str>) -> Result<Option<Isa>, String> {
     };
     let isa = Isa::parse(v).ok_or_else(|| {
         format!(
-            "BOT_CPU_ISA={v:?}: expected scalar, avx2, avx-vnni, avx512-vnni, neon or neon-dotprod"
+            "BOT_CPU_ISA={v:?}: expected scalar, avx2, avx-vnni, avx512-vnni, amx, neon or neon-dotprod"
         )
     })?;
     if !isa.supported() {

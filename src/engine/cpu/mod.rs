@@ -2,6 +2,7 @@
 //! everywhere; `isa` picks), the packed prompt GEMM, attention over the KV cache and the sampler.
 
 pub mod act;
+pub mod amx;
 pub mod attention;
 pub mod gemm;
 pub mod isa;

@@ -34,6 +34,9 @@ pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], kernel: Numerics
     // the integer kernels read bf16 scales directly (MLX's default); others use `Exact`
     let int = int_ok(w, isa);
     match kernel {
+        Numerics::Fast if m >= GEMM_MIN_ROWS && crate::engine::cpu::amx::usable(w) => {
+            crate::engine::cpu::amx::qgemm(w, x, m, y)
+        }
         _ if m >= GEMM_MIN_ROWS && crate::engine::cpu::gemm::available() => {
             crate::engine::cpu::gemm::qgemm(w, x, m, y)
         }
@@ -46,7 +49,8 @@ pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], kernel: Numerics
 
 /// From this many activation rows on (prefill), weights are dequantized a tile of rows at a
 /// time and multiplied with an f32 GEMM: each dequantized value then serves every row, and the
-/// arithmetic is the `Exact` kernel's (f32 values, f32 accumulation) whatever `Numerics` says.
+/// arithmetic is the `Exact` kernel's (f32 values, f32 accumulation) whatever `Numerics` says,
+/// except `Fast` on AMX (`amx.rs`: 15-bit activations on int8 tiles).
 pub const GEMM_MIN_ROWS: usize = 8;
 const TILE_ROWS: usize = 128;
 
@@ -578,7 +582,7 @@ fn int_task(
                     neon::q4_rows_dot(row, sb, bb, &shape, a, i, take, split, out)
                 },
                 // (the x86 sets returned above, through `x86.rs`)
-                Isa::Scalar | Isa::Avx2 | Isa::Avx512Vnni | Isa::AvxVnni => {
+                Isa::Scalar | Isa::Avx2 | Isa::Amx | Isa::Avx512Vnni | Isa::AvxVnni => {
                     for (r, o) in out.iter_mut().enumerate() {
                         *o = int_row_scalar(&v, gs, n, a, i + r, 0..shape.nb)
                             + bias_term(&v, n, a, i + r);

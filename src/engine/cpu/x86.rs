@@ -663,7 +663,9 @@ pub unsafe fn rows(
 ) {
     #[cfg(target_arch = "x86_64")]
     match isa {
-        super::isa::Isa::Avx512Vnni => return simd::rows512(w, a, first, m, split, outs),
+        super::isa::Isa::Amx | super::isa::Isa::Avx512Vnni => {
+            return simd::rows512(w, a, first, m, split, outs)
+        }
         super::isa::Isa::AvxVnni => return simd::rows256(w, a, first, m, split, outs),
         super::isa::Isa::Avx2 => return simd::rows_avx2(w, a, first, m, split, outs),
         _ => {}

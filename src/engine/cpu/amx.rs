@@ -1,0 +1,730 @@
+//! The prompt GEMM of 4-bit weights on Intel AMX int8 tiles (Sapphire Rapids and later
+//! Xeons), for the `fast` arithmetic: `y (m x rows) = x (m x cols) @ dequant(w)^T` with the
+//! activations as 15-bit integers, as the `fast` decode kernel has them (`quant.rs`), here with
+//! one scale per 64 values. The f32 GEMM (`gemm.rs`) stays for `exact` and other CPUs. The slow
+//! reference is `QMatrix::matmul_reference`; the tile logic also runs through `Soft`, plain
+//! Rust standing in for the tile instructions (tested on every CPU), and the hardware tiles
+//! are checked against `Soft` bit for bit where the CPU has AMX.
+//!
+//! Why: llama.cpp prefills with AMX on these CPUs. An AVX-512 f32 tile does 32 products a
+//! cycle; one `tdpbusd` does 16x16x64 in ~16. Intel's SDM (vol. 1 ch. 3, AMX) and the Linux
+//! `arch_prctl(ARCH_REQ_XCOMP_PERM)` ABI say how tiles are configured and granted.
+//!
+//! Arithmetic, per 64-value block `kb` of a token: `d = max|x| / 16383`, `xq =
+//! round_ties_even(x / d)`, split `xq = 128·hi + lo` (`hi` signed, `lo` in 0..127, one byte
+//! each). The 4-bit codes are the unsigned operand. For 16 weight rows and 16 tokens, two
+//! `tdpbusd` give the hi and lo sums; then, exactly in i32 (|sum| < 2^24, so the conversion is
+//! exact too), `c = 128·hi_sum + lo_sum`, and `y += c·d·s + b·Σx` in f32 (two FMAs), block
+//! after block (`s`, `b`: the group's scale and bias; `Σx` the block's f32 sum). Rounding x to
+//! 15 bits is the only approximation: at most `d/2` a value.
+//!
+//! Layout: within a block, tile byte `p` holds value `2p` for `p < 32` and `2(p - 32) + 1`
+//! above, so a weight row unpacks as its 32 low nibbles then its 32 high nibbles, no shuffle;
+//! the activations are laid out once a call in the same order, four values of a token a
+//! 32-bit column (the B operand's form). A task unpacks its rows' block once, then for each
+//! token tile runs its A tiles through two tile slots, so that the tiles compute one A tile
+//! while the core combines the previous one.
+
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use crate::engine::cpu::isa::{self, Isa};
+use crate::engine::quant::QMatrix;
+
+/// Values a block holds: one activation scale, one tile row of bytes.
+const KB: usize = 64;
+/// Tokens a B tile holds.
+const TT: usize = 16;
+/// Bytes of one tile (16 rows of 64).
+const TILE: usize = 1024;
+const QMAX: f32 = 16383.0;
+
+/// Whether the prompt GEMM of `w` runs here: the process's instruction set is `amx` and `w`
+/// has 4-bit codes in groups of 64 or a multiple.
+pub fn usable(w: &QMatrix) -> bool {
+    isa::active() == Isa::Amx && shape_ok(w)
+}
+
+fn shape_ok(w: &QMatrix) -> bool {
+    w.params.bits == 4 && w.params.group_size.is_multiple_of(KB) && w.cols.is_multiple_of(KB)
+}
+
+/// `y = x @ dequant(w)^T` on AMX tiles. Callers check `usable(w)` first.
+pub fn qgemm(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32]) {
+    assert!(usable(w), "amx::qgemm without AMX");
+    #[cfg(target_arch = "x86_64")]
+    run(w, x, m, y, |ctx, p0, p1| {
+        // SAFETY: `usable` holds: the CPU has AMX-INT8 and AVX-512, and Linux granted the
+        // tile state to this process.
+        unsafe { hw::task(ctx, p0, p1) }
+    });
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (x, m, y);
+}
+
+/// Whether this CPU has AMX-TILE and AMX-INT8, the OS enables their state, and Linux grants it
+/// to this process (asked once).
+pub fn granted() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        {
+            hw::cpu_has_amx() && hw::request_permission()
+        }
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        false
+    })
+}
+
+/// The activations of one call, laid out as B tiles: tile `(j, kb)` (tokens `16j..16j + 16`,
+/// block `kb`) at `(j * kbs + kb) * TILE`, and its 16 tokens' `d` and `Σx` at `(j * kbs + kb)
+/// * 16`. Tokens past `m` are zeros.
+struct Acts {
+    hi: Vec<u8>,
+    lo: Vec<u8>,
+    d: Vec<f32>,
+    sx: Vec<f32>,
+    kbs: usize,
+}
+
+/// Where value `p` of a block's tile row comes from.
+#[inline]
+fn source(p: usize) -> usize {
+    if p < 32 {
+        2 * p
+    } else {
+        2 * (p - 32) + 1
+    }
+}
+
+fn prepare(x: &[f32], m: usize, k: usize) -> Acts {
+    let (mt, kbs) = (m.div_ceil(TT), k / KB);
+    let mut a = Acts {
+        hi: vec![0; mt * kbs * TILE],
+        lo: vec![0; mt * kbs * TILE],
+        d: vec![0.0; mt * kbs * TT],
+        sx: vec![0.0; mt * kbs * TT],
+        kbs,
+    };
+    let per = kbs * TILE;
+    a.hi.par_chunks_mut(per)
+        .zip(a.lo.par_chunks_mut(per))
+        .zip(
+            a.d.par_chunks_mut(kbs * TT)
+                .zip(a.sx.par_chunks_mut(kbs * TT)),
+        )
+        .enumerate()
+        .for_each(|(j, ((hi, lo), (d, sx)))| {
+            #[cfg(target_arch = "x86_64")]
+            if isa::active().avx2() {
+                // SAFETY: the process's instruction set includes AVX2 and FMA.
+                return unsafe { prepare_tile_avx2(x, m, k, j, TileActs { hi, lo, d, sx }) };
+            }
+            prepare_tile(x, m, k, j, TileActs { hi, lo, d, sx })
+        });
+    a
+}
+
+/// Quantizes one token's block into its column of the hi and lo tiles; returns `(d, Σx)`.
+/// Written in 16 lanes (the max and the sum are lane-wise, then folded in a fixed order), so
+/// that it compiles to vector code.
+#[inline]
+fn block(blk: &[f32], t: usize, th: &mut [u8], tl: &mut [u8]) -> (f32, f32) {
+    let (mut mx, mut sm) = ([0f32; 16], [0f32; 16]);
+    for c in blk.chunks_exact(16) {
+        for i in 0..16 {
+            mx[i] = mx[i].max(c[i].abs());
+            sm[i] += c[i];
+        }
+    }
+    let amax = mx.iter().fold(0f32, |a, &v| a.max(v));
+    let sum = sm.iter().sum();
+    let d = amax / QMAX;
+    let inv = if amax > 0.0 { 1.0 / d } else { 0.0 };
+    // 1.5·2^23: adding it leaves an |x| < 2^22 rounded to an integer, ties to even (the
+    // default rounding), and no libm call
+    const ROUND: f32 = 12_582_912.0;
+    let mut q = [0i32; KB];
+    for (q, &x) in q.iter_mut().zip(blk) {
+        *q = (((x * inv + ROUND) - ROUND) as i32).clamp(-(QMAX as i32), QMAX as i32);
+    }
+    for r in 0..16 {
+        for i in 0..4 {
+            // row r of the tile, token t's 32-bit column, byte i
+            let (v, at) = (q[source(4 * r + i)], r * 64 + t * 4 + i);
+            th[at] = (v >> 7) as i8 as u8;
+            tl[at] = (v & 127) as u8;
+        }
+    }
+    (d, sum)
+}
+
+/// One token tile's share of `Acts`.
+struct TileActs<'a> {
+    hi: &'a mut [u8],
+    lo: &'a mut [u8],
+    d: &'a mut [f32],
+    sx: &'a mut [f32],
+}
+
+/// `prepare`'s work for token tile `j`.
+#[inline(always)]
+fn prepare_tile(x: &[f32], m: usize, k: usize, j: usize, o: TileActs) {
+    for t in 0..TT.min(m - j * TT) {
+        let row = &x[(j * TT + t) * k..][..k];
+        for (kb, blk) in row.chunks_exact(KB).enumerate() {
+            let (th, tl) = (
+                &mut o.hi[kb * TILE..][..TILE],
+                &mut o.lo[kb * TILE..][..TILE],
+            );
+            (o.d[kb * TT + t], o.sx[kb * TT + t]) = block(blk, t, th, tl);
+        }
+    }
+}
+
+/// `prepare_tile` compiled for AVX2 (every CPU with AMX has it).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn prepare_tile_avx2(x: &[f32], m: usize, k: usize, j: usize, o: TileActs) {
+    prepare_tile(x, m, k, j, o)
+}
+
+/// Weight rows of one A tile.
+const NT: usize = 16;
+
+/// One 64-byte-aligned tile of bytes.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct ATile([u8; TILE]);
+
+/// The two C tiles of one A tile: its rows x hi, then its rows x lo (16x16 i32 each).
+#[repr(C, align(64))]
+struct CPair([i32; 512]);
+
+/// The tile operations, on AMX (`hw::Hw`) or emulated (`Soft`). Two slots, so that the tiles
+/// compute one A tile's products while the core combines the previous one's:
+/// `issue(s, a)` loads `a` and starts `C_s = a · [hi, lo]`; `drain(s, c)` stores `C_s`.
+trait Tiles {
+    /// 32 bytes of a weight row's block to its 64 codes in tile order (`source`).
+    fn unpack(&self, src: &[u8], dst: &mut [u8]) {
+        unpack_portable(src, dst)
+    }
+    /// Loads the B tiles (one token tile's `hi` and `lo` of one block).
+    fn load_b(&mut self, hi: &[u8], lo: &[u8]);
+    fn issue(&mut self, slot: usize, a: &ATile);
+    fn drain(&mut self, slot: usize, c: &mut CPair);
+    /// `acc[r][t] += (128·hi + lo)·d[t]·s[r] + b[r]·sx[t]` for the 16 rows of one A tile.
+    fn combine(
+        &self,
+        c: &CPair,
+        s: &[f32],
+        b: &[f32],
+        d: &[f32],
+        sx: &[f32],
+        acc: &mut [[f32; TT]],
+    ) {
+        combine_portable(c, s, b, d, sx, acc)
+    }
+}
+
+/// `Tiles::combine`, one value at a time: `fma(b, sx, fma(c·d, s, acc))`, the hardware
+/// path's operations.
+fn combine_portable(c: &CPair, s: &[f32], b: &[f32], d: &[f32], sx: &[f32], acc: &mut [[f32; TT]]) {
+    for (r, a) in acc.iter_mut().enumerate().take(NT) {
+        for t in 0..TT {
+            let v = ((c.0[r * 16 + t] << 7) + c.0[256 + r * 16 + t]) as f32;
+            a[t] = b[r].mul_add(sx[t], (v * d[t]).mul_add(s[r], a[t]));
+        }
+    }
+}
+
+/// `tdpbusd` in plain Rust: `c[r][n] = Σ_q Σ_i a[r][4q + i] (unsigned) · b[q][4n + i] (signed)`.
+#[cfg(test)]
+struct Soft {
+    b: Vec<u8>,
+    c: [Vec<i32>; 2],
+}
+
+#[cfg(test)]
+impl Soft {
+    fn new() -> Soft {
+        Soft {
+            b: vec![0; 2 * TILE],
+            c: [vec![0; 512], vec![0; 512]],
+        }
+    }
+}
+
+#[cfg(test)]
+impl Tiles for Soft {
+    fn load_b(&mut self, hi: &[u8], lo: &[u8]) {
+        self.b[..TILE].copy_from_slice(&hi[..TILE]);
+        self.b[TILE..].copy_from_slice(&lo[..TILE]);
+    }
+
+    fn issue(&mut self, slot: usize, a: &ATile) {
+        for half in 0..2 {
+            let b = &self.b[half * TILE..][..TILE];
+            for r in 0..16 {
+                for n in 0..16 {
+                    let mut acc = 0i32;
+                    for q in 0..16 {
+                        for i in 0..4 {
+                            acc +=
+                                a.0[r * 64 + 4 * q + i] as i32 * b[q * 64 + 4 * n + i] as i8 as i32;
+                        }
+                    }
+                    self.c[slot][half * 256 + r * 16 + n] = acc;
+                }
+            }
+        }
+    }
+
+    fn drain(&mut self, slot: usize, c: &mut CPair) {
+        c.0.copy_from_slice(&self.c[slot]);
+    }
+}
+
+/// What every task of a call shares.
+struct Ctx<'a> {
+    w: &'a QMatrix,
+    acts: &'a Acts,
+    m: usize,
+    out: SyncPtr,
+}
+
+/// A pointer that tasks writing disjoint elements may share.
+struct SyncPtr(*mut f32);
+// SAFETY: used only for writes to disjoint elements (each task its own columns of y).
+unsafe impl Sync for SyncPtr {}
+
+/// Splits the A tiles (16 weight rows each) over rayon's threads; `task(ctx, i0, i1)` computes
+/// tiles `i0..i1`.
+fn run(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], task: impl Fn(&Ctx, usize, usize) + Sync) {
+    assert!(shape_ok(w) && x.len() == m * w.cols && y.len() == m * w.rows);
+    if m == 0 || w.rows == 0 {
+        return;
+    }
+    let acts = prepare(x, m, w.cols);
+    let ctx = Ctx {
+        w,
+        acts: &acts,
+        m,
+        out: SyncPtr(y.as_mut_ptr()),
+    };
+    let tiles = w.rows.div_ceil(NT);
+    // a task's unpacked block (1 KiB a tile) and accumulators (1 KiB a tile and token tile)
+    // stay in L2 up to 32 tiles
+    let per_task = tiles
+        .div_ceil(rayon::current_num_threads().max(1) * 2)
+        .clamp(1, 32);
+    (0..tiles.div_ceil(per_task))
+        .into_par_iter()
+        .for_each(|t| task(&ctx, t * per_task, ((t + 1) * per_task).min(tiles)));
+}
+
+/// A tiles `i0..i1` of the output through `tiles`: per block, every tile's rows are unpacked
+/// once, then for each token tile the A tiles go through the two slots in turn. Inlined into
+/// each caller, so that the hardware one's steps compile for AVX-512.
+#[inline(always)]
+fn task_body(tiles: &mut impl Tiles, ctx: &Ctx, i0: usize, i1: usize) {
+    let Ctx { w, acts, m, .. } = *ctx;
+    let (rows, gs, kbs) = (w.rows, w.params.group_size, acts.kbs);
+    let (gpr, rb) = (w.groups_per_row(), w.row_bytes());
+    let (scales, biases) = (w.scales.view(), w.biases.view());
+    let packed: &[u8] = &w.packed;
+    let (mt, nt) = (m.div_ceil(TT), i1 - i0);
+    let mut a = vec![ATile([0; TILE]); nt];
+    let (mut s, mut b) = (vec![0f32; nt * NT], vec![0f32; nt * NT]);
+    let mut c = CPair([0; 512]);
+    // accumulators: (token tile, weight row of the task) -> 16 tokens
+    let mut acc = vec![[0f32; TT]; mt * nt * NT];
+    for kb in 0..kbs {
+        let g = kb * KB / gs;
+        for r in 0..nt * NT {
+            let n = i0 * NT + r;
+            let dst = &mut a[r / NT].0[r % NT * 64..][..64];
+            if n < rows {
+                tiles.unpack(&packed[n * rb + kb * KB / 2..][..KB / 2], dst);
+                (s[r], b[r]) = (scales.get(n * gpr + g), biases.get(n * gpr + g));
+            } else {
+                dst.fill(0);
+                (s[r], b[r]) = (0.0, 0.0);
+            }
+        }
+        for j in 0..mt {
+            let tile = (j * kbs + kb) * TILE;
+            tiles.load_b(&acts.hi[tile..][..TILE], &acts.lo[tile..][..TILE]);
+            let at = (j * kbs + kb) * TT;
+            let (d, sx) = (&acts.d[at..][..TT], &acts.sx[at..][..TT]);
+            let acc = &mut acc[j * nt * NT..][..nt * NT];
+            tiles.issue(0, &a[0]);
+            for i in 0..nt {
+                if i + 1 < nt {
+                    tiles.issue((i + 1) % 2, &a[i + 1]);
+                }
+                tiles.drain(i % 2, &mut c);
+                let rs = i * NT..(i + 1) * NT;
+                tiles.combine(&c, &s[rs.clone()], &b[rs.clone()], d, sx, &mut acc[rs]);
+            }
+        }
+    }
+    let n0 = i0 * NT;
+    let nr = (nt * NT).min(rows - n0);
+    for t in 0..m {
+        let accs = &acc[t / TT * nt * NT..][..nr];
+        for (r, v) in accs.iter().enumerate() {
+            // SAFETY: t < m and n0 + r < rows, so the element is inside y (m x rows); only
+            // this task writes the columns of its tiles.
+            unsafe { *ctx.out.0.add(t * rows + n0 + r) = v[t % TT] };
+        }
+    }
+}
+
+/// A weight row's 32 bytes of one block as 64 codes: the low nibbles, then the high ones
+/// (eight bytes a step in a u64).
+fn unpack_portable(src: &[u8], dst: &mut [u8]) {
+    const NIB: u64 = 0x0F0F_0F0F_0F0F_0F0F;
+    for i in 0..4 {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&src[8 * i..8 * i + 8]);
+        let v = u64::from_le_bytes(b);
+        dst[8 * i..8 * i + 8].copy_from_slice(&(v & NIB).to_le_bytes());
+        dst[32 + 8 * i..40 + 8 * i].copy_from_slice(&((v >> 4) & NIB).to_le_bytes());
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod hw {
+    use std::arch::asm;
+
+    use super::{task_body, ATile, CPair, Ctx, Tiles, NT, TILE, TT};
+
+    /// CPUID leaf 7: AMX-TILE (EDX bit 24) and AMX-INT8 (bit 25); XCR0 enables the tile
+    /// configuration and data state (bits 17 and 18).
+    pub fn cpu_has_amx() -> bool {
+        use std::arch::x86_64::{__cpuid, __cpuid_count};
+        #[allow(unused_unsafe)]
+        // SAFETY: CPUID exists on every x86-64 CPU; leaf 7 is read only when leaf 0 lists it.
+        let (max, osxsave, edx7) = unsafe {
+            let max = __cpuid(0).eax;
+            let osxsave = __cpuid(1).ecx & (1 << 27) != 0;
+            (
+                max,
+                osxsave,
+                if max >= 7 { __cpuid_count(7, 0).edx } else { 0 },
+            )
+        };
+        if max < 7 || !osxsave || edx7 & (3 << 24) != 3 << 24 {
+            return false;
+        }
+        // SAFETY: OSXSAVE is set, so XGETBV is available.
+        let xcr0 = unsafe { xcr0() };
+        xcr0 & (3 << 17) == 3 << 17
+    }
+
+    #[target_feature(enable = "xsave")]
+    unsafe fn xcr0() -> u64 {
+        std::arch::x86_64::_xgetbv(0)
+    }
+
+    /// Linux hands the tile data state to a process that asks (`ARCH_REQ_XCOMP_PERM` for
+    /// `XFEATURE_XTILEDATA`, 5.16 and later); until then a tile instruction faults.
+    #[cfg(target_os = "linux")]
+    pub fn request_permission() -> bool {
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: arch_prctl with these arguments only changes this process's permissions.
+        unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_REQ_XCOMP_PERM,
+                XFEATURE_XTILEDATA,
+            ) == 0
+        }
+    }
+
+    /// The tiles of this thread, configured: palette 1, all eight 16 rows of 64 bytes. tmm0
+    /// and tmm1 hold the slots' A tiles, tmm2 and tmm3 the B tiles (hi, lo), tmm4-5 and
+    /// tmm6-7 the slots' C pairs. Released on drop, so an idle thread carries no tile state.
+    pub struct Hw(());
+
+    impl Hw {
+        /// # Safety
+        /// The CPU has AMX-INT8 and the process was granted the tile state (`granted()`).
+        unsafe fn begin() -> Hw {
+            #[repr(C, align(64))]
+            struct Cfg([u8; 64]);
+            let mut cfg = Cfg([0; 64]);
+            cfg.0[0] = 1; // palette
+            for t in 0..8 {
+                cfg.0[16 + 2 * t] = 64; // bytes a row (u16, little-endian)
+                cfg.0[48 + t] = 16; // rows
+            }
+            asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
+            Hw(())
+        }
+    }
+
+    impl Drop for Hw {
+        fn drop(&mut self) {
+            // SAFETY: a configured thread (see `begin`) releases its tiles.
+            unsafe { asm!("tilerelease", options(nostack, nomem)) };
+        }
+    }
+
+    impl Tiles for Hw {
+        fn unpack(&self, src: &[u8], dst: &mut [u8]) {
+            use std::arch::x86_64::*;
+            assert!(src.len() >= 32 && dst.len() >= 64);
+            // SAFETY: an `Hw` exists only where the CPU has AVX-512 (AVX2 with it, see `task`);
+            // 32 bytes are read and 64 written, both in bounds (asserted).
+            unsafe {
+                let v = _mm256_loadu_si256(src.as_ptr() as *const __m256i);
+                let nib = _mm256_set1_epi8(15);
+                let p = dst.as_mut_ptr() as *mut __m256i;
+                _mm256_storeu_si256(p, _mm256_and_si256(v, nib));
+                _mm256_storeu_si256(p.add(1), _mm256_and_si256(_mm256_srli_epi16::<4>(v), nib));
+            }
+        }
+
+        fn load_b(&mut self, hi: &[u8], lo: &[u8]) {
+            assert!(hi.len() >= TILE && lo.len() >= TILE);
+            // SAFETY: tiles configured (`begin`); hi and lo hold a tile each.
+            unsafe {
+                asm!(
+                    "tileloadd tmm2, [{h} + {s}*1]",
+                    "tileloadd tmm3, [{l} + {s}*1]",
+                    h = in(reg) hi.as_ptr(),
+                    l = in(reg) lo.as_ptr(),
+                    s = in(reg) 64usize,
+                    options(nostack, readonly),
+                )
+            };
+        }
+
+        fn issue(&mut self, slot: usize, a: &ATile) {
+            // SAFETY: tiles configured and the B tiles loaded; `a` is one tile.
+            unsafe {
+                if slot == 0 {
+                    asm!(
+                        "tileloadd tmm0, [{p} + {s}*1]",
+                        "tilezero tmm4",
+                        "tilezero tmm5",
+                        "tdpbusd tmm4, tmm0, tmm2",
+                        "tdpbusd tmm5, tmm0, tmm3",
+                        p = in(reg) a.0.as_ptr(),
+                        s = in(reg) 64usize,
+                        options(nostack, readonly),
+                    )
+                } else {
+                    asm!(
+                        "tileloadd tmm1, [{p} + {s}*1]",
+                        "tilezero tmm6",
+                        "tilezero tmm7",
+                        "tdpbusd tmm6, tmm1, tmm2",
+                        "tdpbusd tmm7, tmm1, tmm3",
+                        p = in(reg) a.0.as_ptr(),
+                        s = in(reg) 64usize,
+                        options(nostack, readonly),
+                    )
+                }
+            };
+        }
+
+        fn drain(&mut self, slot: usize, c: &mut CPair) {
+            let cp = c.0.as_mut_ptr();
+            // SAFETY: tiles configured; `c` holds two tiles (rows of 64 bytes).
+            unsafe {
+                if slot == 0 {
+                    asm!(
+                        "tilestored [{c0} + {s}*1], tmm4",
+                        "tilestored [{c1} + {s}*1], tmm5",
+                        c0 = in(reg) cp,
+                        c1 = in(reg) cp.add(256),
+                        s = in(reg) 64usize,
+                        options(nostack),
+                    )
+                } else {
+                    asm!(
+                        "tilestored [{c0} + {s}*1], tmm6",
+                        "tilestored [{c1} + {s}*1], tmm7",
+                        c0 = in(reg) cp,
+                        c1 = in(reg) cp.add(256),
+                        s = in(reg) 64usize,
+                        options(nostack),
+                    )
+                }
+            };
+        }
+
+        fn combine(
+            &self,
+            c: &CPair,
+            s: &[f32],
+            b: &[f32],
+            d: &[f32],
+            sx: &[f32],
+            acc: &mut [[f32; TT]],
+        ) {
+            // SAFETY: an `Hw` exists only where the CPU has AVX-512 F (see `task`).
+            unsafe { combine512(c, s, b, d, sx, acc) }
+        }
+    }
+
+    /// `Tiles::combine` on 16-lane vectors: a C tile row is 16 tokens' sums.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn combine512(
+        c: &CPair,
+        s: &[f32],
+        b: &[f32],
+        d: &[f32],
+        sx: &[f32],
+        acc: &mut [[f32; TT]],
+    ) {
+        use std::arch::x86_64::*;
+        assert!(
+            d.len() >= TT && sx.len() >= TT && acc.len() >= NT && s.len() >= NT && b.len() >= NT
+        );
+        let (dv, sxv) = (_mm512_loadu_ps(d.as_ptr()), _mm512_loadu_ps(sx.as_ptr()));
+        let cp = c.0.as_ptr();
+        for r in 0..NT {
+            let hi = _mm512_loadu_si512(cp.add(r * 16) as *const _);
+            let lo = _mm512_loadu_si512(cp.add(256 + r * 16) as *const _);
+            let v = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32::<7>(hi), lo));
+            let a = acc.as_mut_ptr().add(r) as *mut f32;
+            let t = _mm512_fmadd_ps(
+                _mm512_mul_ps(v, dv),
+                _mm512_set1_ps(s[r]),
+                _mm512_loadu_ps(a),
+            );
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(b[r]), sxv, t));
+        }
+    }
+
+    /// One task on this thread's tiles, its f32 steps compiled for AVX-512.
+    ///
+    /// # Safety
+    /// As `Hw::begin`, and the CPU has AVX-512 F/BW/VL.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    pub unsafe fn task(ctx: &Ctx, i0: usize, i1: usize) {
+        let mut tiles = Hw::begin();
+        task_body(&mut tiles, ctx, i0, i1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::quant::testutil::random_qmatrix;
+    use crate::engine::weights::Dtype;
+    use rand::{Rng, SeedableRng};
+
+    fn soft(w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
+        let mut y = vec![f32::NAN; m * w.rows];
+        run(w, x, m, &mut y, |ctx, p0, p1| {
+            task_body(&mut Soft::new(), ctx, p0, p1)
+        });
+        y
+    }
+
+    /// The tile logic (layout, split, per-block scaling, row and token tails, the two slots)
+    /// through the emulated tiles, on every CPU, against dequantize-then-matmul: each output
+    /// within what rounding x to 15 bits can move it (plus 1e-5 of the largest |y|), and all
+    /// within 2e-4 of the largest |y| (an outlier of 40 among values below 2 included). Where the CPU has AMX, the hardware tiles give
+    /// the same bits as the emulated ones, and `qmatmul` takes this path for `fast` prompts.
+    #[test]
+    fn tiles_match_reference_and_hardware() {
+        let hw = Isa::Amx.supported();
+        if !hw {
+            eprintln!("tiles_match_reference_and_hardware: no AMX here; emulated tiles only");
+        }
+        for (seed, (gs, m, k, rows)) in [
+            (64, 16, 64, 32),
+            (64, 17, 1024, 50),
+            (128, 64, 640, 96),
+            (64, 8, 192, 7),
+            (128, 33, 256, 64),
+            (64, 9, 128, 200),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let dt = [Dtype::BF16, Dtype::F16, Dtype::F32][seed % 3];
+            let w = random_qmatrix(rows, k, 4, gs, dt, seed as u64 + 11);
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed as u64);
+            let mut x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+            // an outlier, a zero block, and a negative extreme
+            x[3] = 40.0;
+            x[k..k + KB.min(k)].fill(0.0);
+            x[m * k - 1] = -17.0;
+            let want = w.matmul_reference(&x, m);
+            let got = soft(&w, &x, m);
+            let max = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+            // rounding x to 15 bits moves each value by at most d/2, so y by at most
+            // Σ_blocks d/2 · Σ|w| over the block; f32 sums add 1e-5 of the largest |y|
+            let wd = w.dequantize();
+            for t in 0..m {
+                for n in 0..rows {
+                    let mut bound = 1e-5 * max as f64;
+                    for kb in 0..k / KB {
+                        let blk = &x[t * k + kb * KB..][..KB];
+                        let d = blk.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 16383.0;
+                        let wsum: f64 = wd[n * k + kb * KB..][..KB]
+                            .iter()
+                            .map(|v| v.abs() as f64)
+                            .sum();
+                        bound += d / 2.0 * wsum;
+                    }
+                    let (g, r) = (got[t * rows + n], want[t * rows + n]);
+                    assert!(
+                        ((g - r).abs() as f64) <= bound,
+                        "gs {gs} m {m} k {k} rows {rows} token {t} row {n}: {g} vs {r}, bound {bound}"
+                    );
+                }
+            }
+            let err = got
+                .iter()
+                .zip(&want)
+                .fold(0f32, |a, (g, r)| a.max((g - r).abs()));
+            assert!(
+                err <= 2e-4 * max,
+                "gs {gs} m {m} k {k}: max err {err} of {max}"
+            );
+            #[cfg(target_arch = "x86_64")]
+            if hw {
+                let mut on_hw = vec![f32::NAN; m * rows];
+                // SAFETY: AMX (with AVX-512) is supported and granted here.
+                run(&w, &x, m, &mut on_hw, |ctx, p0, p1| unsafe {
+                    hw::task(ctx, p0, p1)
+                });
+                // (no FMA contraction in Rust: the AVX-512 build of the f32 steps rounds alike)
+                for (i, (a, b)) in on_hw.iter().zip(&got).enumerate() {
+                    assert_eq!(a.to_bits(), b.to_bits(), "gs {gs} m {m} k {k}: element {i}");
+                }
+                if isa::active() == Isa::Amx {
+                    let mut via = vec![f32::NAN; m * rows];
+                    crate::engine::cpu::quant::qmatmul(
+                        &w,
+                        &x,
+                        m,
+                        &mut via,
+                        crate::engine::quant::Numerics::Fast,
+                    );
+                    assert_eq!(via, on_hw, "qmatmul's fast prompt path is the AMX GEMM");
+                }
+            }
+        }
+    }
+
+    /// Shapes the tiles cannot take go to the other kernels.
+    #[test]
+    fn other_shapes_are_not_taken() {
+        assert!(!shape_ok(&random_qmatrix(8, 96, 4, 32, Dtype::BF16, 1)));
+        assert!(!shape_ok(&random_qmatrix(8, 128, 8, 64, Dtype::BF16, 1)));
+        assert!(shape_ok(&random_qmatrix(8, 128, 4, 128, Dtype::BF16, 1)));
+    }
+}
