@@ -226,7 +226,8 @@ impl Mlp {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let [g, u] = Linear::forward_shared([&self.gate_proj, &self.up_proj], x)?;
-        let a = if g.device().is_cpu() && g.dtype() == DType::F32 {
+        let host = g.device().is_cpu() && g.dtype() == DType::F32;
+        let a = if host && g.is_contiguous() && u.is_contiguous() {
             g.apply_op2_no_bwd(&u, &cpu::act::SiluMul)?
         } else {
             (candle_nn::ops::silu(&g)? * u)?

@@ -11,12 +11,13 @@
 //! `arch_prctl(ARCH_REQ_XCOMP_PERM)` ABI say how tiles are configured and granted.
 //!
 //! Arithmetic, per 64-value block `kb` of a token: `d = max|x| / 16383`, `xq =
-//! round_ties_even(x / d)`, split `xq = 128·hi + lo` (`hi` signed, `lo` in 0..127, one byte
+//! round_ties_even(x · (1/d))`, split `xq = 128·hi + lo` (`hi` signed, `lo` in 0..127, one byte
 //! each). The 4-bit codes are the unsigned operand. For 16 weight rows and 16 tokens, two
 //! `tdpbusd` give the hi and lo sums; then, exactly in i32 (|sum| < 2^24, so the conversion is
 //! exact too), `c = 128·hi_sum + lo_sum`, and `y += c·d·s + b·Σx` in f32 (two FMAs), block
 //! after block (`s`, `b`: the group's scale and bias; `Σx` the block's f32 sum). Rounding x to
-//! 15 bits is the only approximation: at most `d/2` a value.
+//! 15 bits is the approximation beyond f32 rounding: at most `d/2` a value (plus an ulp or two
+//! from `1/d`).
 //!
 //! Layout: within a block, tile byte `p` holds value `2p` for `p < 32` and `2(p - 32) + 1`
 //! above, so a weight row unpacks as its 32 low nibbles then its 32 high nibbles, no shuffle;
@@ -49,7 +50,10 @@ pub fn usable(w: &QMatrix) -> bool {
 }
 
 fn shape_ok(w: &QMatrix) -> bool {
-    w.params.bits == 4 && w.params.group_size.is_multiple_of(KB) && w.cols.is_multiple_of(KB)
+    w.params.bits == 4
+        && w.params.group_size.is_multiple_of(KB)
+        && w.cols > 0
+        && w.cols.is_multiple_of(KB)
 }
 
 /// `y = x @ dequant(w)^T` on AMX tiles. Callers check `usable(w)` first.
@@ -316,11 +320,12 @@ fn run(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], task: impl Fn(&Ctx, usiz
         out: SyncPtr(y.as_mut_ptr()),
     };
     let tiles = w.rows.div_ceil(NT);
-    // a task's unpacked block (1 KiB a tile) and accumulators (1 KiB a tile and token tile)
-    // stay in L2 up to 32 tiles
+    // a task's unpacked block (1 KiB a tile) and accumulators (1 KiB a tile and token tile,
+    // read and written once a block) stay within 256 KiB of L2
+    let cap = (256 / m.div_ceil(TT)).clamp(1, 32);
     let per_task = tiles
         .div_ceil(rayon::current_num_threads().max(1) * 2)
-        .clamp(1, 32);
+        .clamp(1, cap);
     (0..tiles.div_ceil(per_task))
         .into_par_iter()
         .for_each(|t| task(&ctx, t * per_task, ((t + 1) * per_task).min(tiles)));
@@ -450,11 +455,14 @@ mod hw {
     /// The tiles of this thread, configured: palette 1, all eight 16 rows of 64 bytes. tmm0
     /// and tmm1 hold the slots' A tiles, tmm2 and tmm3 the B tiles (hi, lo), tmm4-5 and
     /// tmm6-7 the slots' C pairs. Released on drop, so an idle thread carries no tile state.
-    pub struct Hw(());
+    /// Tile contents live from one asm block to the next (nothing else in this process uses
+    /// AMX; the blocks declare what they write). Not `Send`: the configuration is the thread's.
+    pub struct Hw(std::marker::PhantomData<*const ()>);
 
     impl Hw {
         /// # Safety
-        /// The CPU has AMX-INT8 and the process was granted the tile state (`granted()`).
+        /// The CPU has AMX-INT8, AVX-512 F/BW/VL and AVX2 (the safe methods use them), and the
+        /// process was granted the tile state (`granted()`).
         unsafe fn begin() -> Hw {
             #[repr(C, align(64))]
             struct Cfg([u8; 64]);
@@ -464,15 +472,28 @@ mod hw {
                 cfg.0[16 + 2 * t] = 64; // bytes a row (u16, little-endian)
                 cfg.0[48 + t] = 16; // rows
             }
-            asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
-            Hw(())
+            asm!(
+                "ldtilecfg [{}]",
+                in(reg) cfg.0.as_ptr(),
+                out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
+                out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
+                options(nostack, readonly),
+            );
+            Hw(std::marker::PhantomData)
         }
     }
 
     impl Drop for Hw {
         fn drop(&mut self) {
             // SAFETY: a configured thread (see `begin`) releases its tiles.
-            unsafe { asm!("tilerelease", options(nostack, nomem)) };
+            unsafe {
+                asm!(
+                    "tilerelease",
+                    out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
+                    out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
+                    options(nostack, nomem),
+                )
+            };
         }
     }
 
@@ -501,6 +522,8 @@ mod hw {
                     h = in(reg) hi.as_ptr(),
                     l = in(reg) lo.as_ptr(),
                     s = in(reg) 64usize,
+                    out("tmm2") _,
+                    out("tmm3") _,
                     options(nostack, readonly),
                 )
             };
@@ -518,6 +541,9 @@ mod hw {
                         "tdpbusd tmm5, tmm0, tmm3",
                         p = in(reg) a.0.as_ptr(),
                         s = in(reg) 64usize,
+                        out("tmm0") _,
+                        out("tmm4") _,
+                        out("tmm5") _,
                         options(nostack, readonly),
                     )
                 } else {
@@ -529,6 +555,9 @@ mod hw {
                         "tdpbusd tmm7, tmm1, tmm3",
                         p = in(reg) a.0.as_ptr(),
                         s = in(reg) 64usize,
+                        out("tmm1") _,
+                        out("tmm6") _,
+                        out("tmm7") _,
                         options(nostack, readonly),
                     )
                 }
@@ -726,5 +755,6 @@ mod tests {
         assert!(!shape_ok(&random_qmatrix(8, 96, 4, 32, Dtype::BF16, 1)));
         assert!(!shape_ok(&random_qmatrix(8, 128, 8, 64, Dtype::BF16, 1)));
         assert!(shape_ok(&random_qmatrix(8, 128, 4, 128, Dtype::BF16, 1)));
+        assert!(!shape_ok(&random_qmatrix(8, 0, 4, 64, Dtype::BF16, 1)));
     }
 }
