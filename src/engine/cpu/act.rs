@@ -54,30 +54,8 @@ fn silu1(x: f32) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use crate::engine::sample::exp_consts::*;
-
-    /// `exp_neg` on 8 lanes, the scalar operations in the same order.
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn exp_neg8(x: __m256) -> __m256 {
-        let valid = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(FLOOR));
-        let x = _mm256_max_ps(x, _mm256_set1_ps(FLOOR));
-        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
-        );
-        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-C1), x);
-        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-C2), r);
-        let mut p = _mm256_set1_ps(P[0]);
-        for c in &P[1..] {
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
-        }
-        let y = _mm256_add_ps(
-            _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
-            _mm256_set1_ps(1.0),
-        );
-        let e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-        let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e));
-        _mm256_and_ps(_mm256_mul_ps(y, pow2), valid)
-    }
+    // the sampler's 8-lane `exp_neg` (same bits as the scalar one)
+    use crate::engine::cpu::sample::avx2::exp_neg8;
 
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32]) {

@@ -200,14 +200,14 @@ fn exp_pass_scalar(x: &[f32], m: f32, pool: &mut Vec<Cand>, start: usize, mut ac
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     use super::*;
     use crate::engine::sample::exp_consts::*;
     use std::arch::x86_64::*;
 
     /// `exp_neg` on 8 lanes: the same operations in the same order, so the same bits.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn exp_neg8(x: __m256) -> __m256 {
+    pub(crate) unsafe fn exp_neg8(x: __m256) -> __m256 {
         let valid = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(FLOOR));
         let x = _mm256_max_ps(x, _mm256_set1_ps(FLOOR));
         let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
