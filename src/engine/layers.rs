@@ -189,9 +189,10 @@ impl Linear {
         })
     }
 
-    /// `forward` of each of `ls` on the same `x`. A decode row on the CPU whose matrices all
-    /// take the integer kernel runs as one `qmatvec_shared` (the input quantized once, one
-    /// hand-off to the workers); anything else, one `forward` each.
+    /// `forward` of each of `ls` on the same `x`. On the CPU, where `qmatmul_shared` has a path
+    /// (a decode row on the integer kernel, a `fast` prompt on AVX-512 VNNI), they run as one
+    /// call: the input quantized once, one hand-off to the workers; anything else, one
+    /// `forward` each.
     pub fn forward_shared<const N: usize>(ls: [&Linear; N], x: &Tensor) -> Result<[Tensor; N]> {
         if let Some(ys) = Self::try_shared(&ls, x)? {
             return Ok(ys);
@@ -206,9 +207,10 @@ impl Linear {
 
     fn try_shared<const N: usize>(ls: &[&Linear; N], x: &Tensor) -> Result<Option<[Tensor; N]>> {
         let kernel = ls[0].kernel;
-        if !x.device().is_cpu() || x.dtype() != candle_core::DType::F32 || x.dim(0)? != 1 {
+        if !x.device().is_cpu() || x.dtype() != candle_core::DType::F32 || x.rank() != 2 {
             return Ok(None);
         }
+        let m = x.dim(0)?;
         let mut ws = Vec::with_capacity(N);
         for l in ls {
             match &l.weight {
@@ -218,16 +220,16 @@ impl Linear {
         }
         let t = Instant::now();
         let xs = x.flatten_all()?.to_vec1::<f32>()?;
-        let Some(ys) = crate::engine::cpu::quant::qmatvec_shared(&ws, &xs, kernel) else {
+        let Some(ys) = crate::engine::cpu::quant::qmatmul_shared(&ws, &xs, m, kernel) else {
             return Ok(None);
         };
         profile::add(ls[0].part, t);
         let mut out = Vec::with_capacity(N);
         for (l, mut y) in ls.iter().zip(ys) {
-            let n = y.len();
+            let n = y.len() / m;
             let t = Instant::now();
             let host = l.lora.as_ref().is_some_and(|b| b.add_rows(&xs, &mut y));
-            let y = Tensor::from_vec(y, (1, n), x.device())?;
+            let y = Tensor::from_vec(y, (m, n), x.device())?;
             out.push(match &l.lora {
                 Some(b) if !host => b.add_to(x, y)?,
                 _ => y,

@@ -35,13 +35,12 @@ use rayon::prelude::*;
 use crate::engine::cpu::isa::{self, Isa};
 use crate::engine::quant::QMatrix;
 
-/// Values a block holds: one activation scale, one tile row of bytes.
-const KB: usize = 64;
+// KB: values a block holds: one activation scale, one tile row of bytes
+use crate::engine::cpu::vnni::{self, KB};
 /// Tokens a B tile holds.
 const TT: usize = 16;
 /// Bytes of one tile (16 rows of 64).
 const TILE: usize = 1024;
-const QMAX: f32 = 16383.0;
 
 /// Whether the prompt GEMM of `w` runs here: the process's instruction set is `amx` and `w`
 /// has 4-bit codes in groups of 64 or a multiple.
@@ -50,10 +49,7 @@ pub fn usable(w: &QMatrix) -> bool {
 }
 
 fn shape_ok(w: &QMatrix) -> bool {
-    w.params.bits == 4
-        && w.params.group_size.is_multiple_of(KB)
-        && w.cols > 0
-        && w.cols.is_multiple_of(KB)
+    vnni::shape_ok(w)
 }
 
 /// `y = x @ dequant(w)^T` on AMX tiles. Callers check `usable(w)` first.
@@ -132,29 +128,12 @@ fn prepare(x: &[f32], m: usize, k: usize) -> Acts {
     a
 }
 
-/// Quantizes one token's block into its column of the hi and lo tiles; returns `(d, Σx)`.
-/// Written in 16 lanes (the max and the sum are lane-wise, then folded in a fixed order), so
-/// that it compiles to vector code.
+/// Quantizes one token's block (`vnni::quantize`) into its column of the hi and lo tiles;
+/// returns `(d, Σx)`.
 #[inline]
 fn block(blk: &[f32], t: usize, th: &mut [u8], tl: &mut [u8]) -> (f32, f32) {
-    let (mut mx, mut sm) = ([0f32; 16], [0f32; 16]);
-    for c in blk.chunks_exact(16) {
-        for i in 0..16 {
-            mx[i] = mx[i].max(c[i].abs());
-            sm[i] += c[i];
-        }
-    }
-    let amax = mx.iter().fold(0f32, |a, &v| a.max(v));
-    let sum = sm.iter().sum();
-    let d = amax / QMAX;
-    let inv = if amax > 0.0 { 1.0 / d } else { 0.0 };
-    // 1.5·2^23: adding it leaves an |x| < 2^22 rounded to an integer, ties to even (the
-    // default rounding), and no libm call
-    const ROUND: f32 = 12_582_912.0;
     let mut q = [0i32; KB];
-    for (q, &x) in q.iter_mut().zip(blk) {
-        *q = (((x * inv + ROUND) - ROUND) as i32).clamp(-(QMAX as i32), QMAX as i32);
-    }
+    let ds = vnni::quantize(blk, &mut q);
     for r in 0..16 {
         for i in 0..4 {
             // row r of the tile, token t's 32-bit column, byte i
@@ -163,7 +142,7 @@ fn block(blk: &[f32], t: usize, th: &mut [u8], tl: &mut [u8]) -> (f32, f32) {
             tl[at] = (v & 127) as u8;
         }
     }
-    (d, sum)
+    ds
 }
 
 /// One token tile's share of `Acts`.
@@ -645,6 +624,17 @@ mod hw {
     }
 }
 
+/// The AMX GEMM's result through the emulated tiles, on any CPU (`vnni.rs` checks its bits
+/// against it).
+#[cfg(test)]
+pub(crate) fn soft_gemm(w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
+    let mut y = vec![f32::NAN; m * w.rows];
+    run(w, x, m, &mut y, |ctx, p0, p1| {
+        task_body(&mut Soft::new(), ctx, p0, p1)
+    });
+    y
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -653,11 +643,7 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     fn soft(w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
-        let mut y = vec![f32::NAN; m * w.rows];
-        run(w, x, m, &mut y, |ctx, p0, p1| {
-            task_body(&mut Soft::new(), ctx, p0, p1)
-        });
-        y
+        soft_gemm(w, x, m)
     }
 
     /// The tile logic (layout, split, per-block scaling, row and token tails, the two slots)

@@ -2,8 +2,8 @@
 //! on x86-64 AMX int8 tiles with AVX-512 VNNI (Sapphire Rapids and later Xeons, where Linux
 //! grants the tile state), else AVX-512 with VNNI (Ice Lake and later Xeons, Zen 4 and 5), else
 //! AVX-VNNI (Alder Lake and later desktop parts), else AVX2+FMA; the VNNI ones change only the
-//! 4-bit decode kernel (`x86.rs`), AVX-512 the prompt's f32 tile, AMX the prompt's `fast`
-//! GEMM (`amx.rs`); everything else runs its AVX2 code there. On aarch64 NEON with the dot-product extension (`sdot`: every Apple
+//! 4-bit decode kernel (`x86.rs`), AVX-512 the prompt's f32 tile, AVX-512 VNNI and AMX the
+//! prompt's `fast` GEMM (`vnni.rs`, `amx.rs`); everything else runs its AVX2 code there. On aarch64 NEON with the dot-product extension (`sdot`: every Apple
 //! Silicon CPU, Graviton 2 and later) or plain NEON (every aarch64 CPU); else the scalar path.
 //! `BOT_CPU_ISA=scalar|avx2|avx-vnni|avx512-vnni|amx|neon|neon-dotprod` overrides it (tests of the fallbacks, bisecting a wrong
 //! result); naming an instruction set this CPU lacks is an error at start-up, not a crash.

@@ -9,4 +9,5 @@ pub mod isa;
 pub mod quant;
 pub mod sample;
 pub mod team;
+pub mod vnni;
 pub mod x86;

@@ -37,6 +37,9 @@ pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], kernel: Numerics
         Numerics::Fast if m >= GEMM_MIN_ROWS && crate::engine::cpu::amx::usable(w) => {
             crate::engine::cpu::amx::qgemm(w, x, m, y)
         }
+        Numerics::Fast if m >= GEMM_MIN_ROWS && crate::engine::cpu::vnni::usable(w) => {
+            crate::engine::cpu::vnni::qgemm(w, x, m, y)
+        }
         _ if m >= GEMM_MIN_ROWS && crate::engine::cpu::gemm::available() => {
             crate::engine::cpu::gemm::qgemm(w, x, m, y)
         }
@@ -50,7 +53,8 @@ pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], kernel: Numerics
 /// From this many activation rows on (prefill), weights are dequantized a tile of rows at a
 /// time and multiplied with an f32 GEMM: each dequantized value then serves every row, and the
 /// arithmetic is the `Exact` kernel's (f32 values, f32 accumulation) whatever `Numerics` says,
-/// except `Fast` on AMX (`amx.rs`: 15-bit activations on int8 tiles).
+/// except `Fast` on AMX (`amx.rs`: 15-bit activations on int8 tiles) and AVX-512 VNNI
+/// (`vnni.rs`: the same numbers with `vpdpwssd`).
 pub const GEMM_MIN_ROWS: usize = 8;
 const TILE_ROWS: usize = 128;
 
@@ -493,6 +497,28 @@ fn int_ok(w: &QMatrix, isa: Isa) -> bool {
         && w.scales.dtype == Dtype::BF16
         && w.biases.dtype == Dtype::BF16
         && isa != Isa::Scalar
+}
+
+/// `qmatmul` of `m` rows against several matrices of the same input (q|k|v, gate|up), where a
+/// shared path exists: a decode row (`qmatvec_shared`), or a `fast` prompt on AVX-512 VNNI
+/// (`vnni::qgemm_shared`: the activations laid out once, one parallel region). Same
+/// arithmetic as `qmatmul` on each; `None` where the caller should run them one by one.
+pub fn qmatmul_shared(
+    ws: &[&QMatrix],
+    x: &[f32],
+    m: usize,
+    kernel: Numerics,
+) -> Option<Vec<Vec<f32>>> {
+    let k = ws.first()?.cols;
+    if m == 0 || x.len() != m * k || ws.iter().any(|w| w.cols != k) {
+        return None;
+    }
+    if m == 1 {
+        return qmatvec_shared(ws, x, kernel);
+    }
+    let vnni = ws.iter().all(|w| crate::engine::cpu::vnni::usable(w));
+    (kernel == Numerics::Fast && m >= GEMM_MIN_ROWS && vnni)
+        .then(|| crate::engine::cpu::vnni::qgemm_shared(ws, x, m))
 }
 
 /// `qmatmul` of one decode row against several matrices of the same input (q|k|v, gate|up):

@@ -1,0 +1,543 @@
+//! The prompt GEMM of 4-bit weights on AVX-512 VNNI (Zen 4 and 5, Ice Lake and later Xeons
+//! without AMX), for the `fast` arithmetic: `y (m x rows) = x (m x cols) @ dequant(w)^T` with
+//! the activations as 15-bit integers, one scale per 64 values, exactly as `amx.rs` has them,
+//! multiplied with `vpdpwssd` (16 lanes, each two signed 16-bit products summed into i32). The
+//! slow reference is `QMatrix::matmul_reference`; the result is also the bits of `amx.rs`'s
+//! emulated tiles (same quantization, same integer sums, same f32 steps in the same order), so
+//! a prompt gives the same numbers on both kinds of CPU.
+//!
+//! Why: one `vpdpwssd zmm` a cycle is 32 multiply-adds, twice an AVX-512 f32 FMA's 16, and the
+//! weights need no f32 dequantization (measured on a Zen 4: both instructions issue once a
+//! cycle). llama.cpp prefills these CPUs with 8-bit activations (`vpdpbusd`); 15 bits keep
+//! `fast`'s numerics, the decode kernel's.
+//!
+//! Per 64-value block `kb` of a token: `d = max|x| / 16383`, `xq = round_ties_even(x · (1/d))`,
+//! `Σx` in f32 (`quantize`). For 12 weight rows and 16 tokens (a zmm of tokens, one lane each),
+//! 32 steps of one pair of values: the pair's two codes as a broadcast dword times the tokens'
+//! pair, `c += xq[2p]·q[2p] + xq[2p+1]·q[2p+1]` exactly in i32 (|c| < 2^24, so its conversion
+//! is exact too); then `y = fma(b, Σx, fma(c·d, s, y))` in f32, block after block.
+//!
+//! Layout: activations once a call as `[token vector][block][pair][16 tokens]` dwords (two
+//! i16: value `2p` low, `2p + 1` high); a task's weight rows once as `[block][row][pair]`
+//! dwords (code `2p` low, `2p + 1` high: a packed byte's two nibbles), so each step's 12
+//! broadcasts come from 12 rows of the L1-resident unpacked panel.
+
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+
+use rayon::prelude::*;
+
+use crate::engine::cpu::isa::{self, Isa};
+use crate::engine::quant::QMatrix;
+
+/// Values one activation scale covers.
+pub(crate) const KB: usize = 64;
+/// Pairs of values a block holds.
+const PAIRS: usize = KB / 2;
+/// Tokens a vector holds.
+const TV: usize = 16;
+/// Weight rows of one register tile.
+const R: usize = 12;
+pub(crate) const QMAX: f32 = 16383.0;
+
+/// Whether the prompt GEMM of `w` runs here: the process's instruction set is `avx512-vnni`
+/// and `w` has 4-bit codes in groups of 64 or a multiple.
+pub fn usable(w: &QMatrix) -> bool {
+    isa::active() == Isa::Avx512Vnni && shape_ok(w)
+}
+
+/// 4-bit codes, groups a multiple of the 64-value block, whole blocks a row.
+pub(crate) fn shape_ok(w: &QMatrix) -> bool {
+    w.params.bits == 4
+        && w.params.group_size.is_multiple_of(KB)
+        && w.cols > 0
+        && w.cols.is_multiple_of(KB)
+}
+
+/// One token's 64 values as 15-bit integers: `(d, Σx)`, `q[i] = round_ties_even(x[i] / d)`.
+/// The one definition of `fast` prompt activations (`amx.rs` splits these into bytes). Written
+/// in 16 lanes (the max and the sum lane-wise, then folded in a fixed order) so that it
+/// compiles to vector code.
+#[inline(always)]
+pub(crate) fn quantize(blk: &[f32], q: &mut [i32; KB]) -> (f32, f32) {
+    let (mut mx, mut sm) = ([0f32; 16], [0f32; 16]);
+    for c in blk[..KB].chunks_exact(16) {
+        for i in 0..16 {
+            mx[i] = mx[i].max(c[i].abs());
+            sm[i] += c[i];
+        }
+    }
+    let amax = mx.iter().fold(0f32, |a, &v| a.max(v));
+    let sum = sm.iter().sum();
+    let d = amax / QMAX;
+    let inv = if amax > 0.0 { 1.0 / d } else { 0.0 };
+    // 1.5·2^23: adding it leaves an |x| < 2^22 rounded to an integer, ties to even (the
+    // default rounding), and no libm call
+    const ROUND: f32 = 12_582_912.0;
+    for (q, &x) in q.iter_mut().zip(blk) {
+        *q = (((x * inv + ROUND) - ROUND) as i32).clamp(-(QMAX as i32), QMAX as i32);
+    }
+    (d, sum)
+}
+
+/// `y = x @ dequant(w)^T` with `vpdpwssd`. Callers check `usable(w)` first.
+pub fn qgemm(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32]) {
+    assert!(usable(w), "vnni::qgemm without AVX-512 VNNI");
+    #[cfg(target_arch = "x86_64")]
+    run(&[w], x, m, &mut [y]);
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (x, m, y);
+}
+
+/// `qgemm` of several matrices of the same input (q|k|v, gate|up): the activations laid out
+/// once, every matrix's row tiles in one parallel region. Callers check `usable` on each.
+pub fn qgemm_shared(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
+    assert!(
+        ws.iter().all(|w| usable(w)),
+        "vnni::qgemm_shared without AVX-512 VNNI"
+    );
+    let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; m * w.rows]).collect();
+    #[cfg(target_arch = "x86_64")]
+    {
+        let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
+        run(ws, x, m, &mut outs);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
+    ys
+}
+
+/// The activations of one call: token vector `j`, block `kb`, pair `p`, token `t` at
+/// `((j * kbs + kb) * PAIRS + p) * TV + t`; `d` and `Σx` at `(j * kbs + kb) * TV + t`. Tokens
+/// past `m` are zeros.
+struct Acts {
+    q: Vec<i32>,
+    d: Vec<f32>,
+    sx: Vec<f32>,
+    kbs: usize,
+}
+
+/// Two i16 in one dword, `lo` in the low half.
+#[inline(always)]
+fn pair(lo: i32, hi: i32) -> i32 {
+    ((lo as u32 & 0xffff) | ((hi as u32) << 16)) as i32
+}
+
+fn prepare(x: &[f32], m: usize, k: usize) -> Acts {
+    let (mt, kbs) = (m.div_ceil(TV), k / KB);
+    let mut a = Acts {
+        q: vec![0; mt * kbs * PAIRS * TV],
+        d: vec![0.0; mt * kbs * TV],
+        sx: vec![0.0; mt * kbs * TV],
+        kbs,
+    };
+    a.q.par_chunks_mut(kbs * PAIRS * TV)
+        .zip(
+            a.d.par_chunks_mut(kbs * TV)
+                .zip(a.sx.par_chunks_mut(kbs * TV)),
+        )
+        .enumerate()
+        .for_each(|(j, (q, (d, sx)))| {
+            #[cfg(target_arch = "x86_64")]
+            if isa::active().avx512() {
+                // SAFETY: the process's instruction set includes AVX-512 F/BW/VL.
+                return unsafe { prepare_vector_avx512(x, m, k, j, q, d, sx) };
+            }
+            prepare_vector(x, m, k, j, q, d, sx)
+        });
+    a
+}
+
+/// `prepare`'s work for token vector `j`.
+#[inline(always)]
+fn prepare_vector(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    j: usize,
+    q: &mut [i32],
+    d: &mut [f32],
+    sx: &mut [f32],
+) {
+    let mut v = [0i32; KB];
+    for t in 0..TV.min(m - j * TV) {
+        let row = &x[(j * TV + t) * k..][..k];
+        for (kb, blk) in row.chunks_exact(KB).enumerate() {
+            (d[kb * TV + t], sx[kb * TV + t]) = quantize(blk, &mut v);
+            let dst = &mut q[kb * PAIRS * TV..][..PAIRS * TV];
+            for p in 0..PAIRS {
+                dst[p * TV + t] = pair(v[2 * p], v[2 * p + 1]);
+            }
+        }
+    }
+}
+
+/// `prepare_vector` compiled for AVX-512.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn prepare_vector_avx512(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    j: usize,
+    q: &mut [i32],
+    d: &mut [f32],
+    sx: &mut [f32],
+) {
+    prepare_vector(x, m, k, j, q, d, sx)
+}
+
+/// A pointer that tasks writing disjoint elements may share.
+struct SyncPtr(*mut f32);
+// SAFETY: used only for writes to disjoint elements (each task its own columns of y).
+unsafe impl Sync for SyncPtr {}
+
+/// A row tile's weights, unpacked: `[block][row][pair]` code dwords and `[block][row]` scales
+/// and biases (zeros past the matrix's last row).
+struct Panel {
+    q: Vec<i32>,
+    s: Vec<f32>,
+    b: Vec<f32>,
+}
+
+impl Panel {
+    fn new(kbs: usize) -> Panel {
+        Panel {
+            q: vec![0; kbs * R * PAIRS],
+            s: vec![0.0; kbs * R],
+            b: vec![0.0; kbs * R],
+        }
+    }
+}
+
+/// 32 packed bytes (64 codes, low nibble first) as 32 dwords of two i16 codes: the slow
+/// reference of `simd::unpack`.
+#[cfg(test)]
+fn unpack_portable(src: &[u8], dst: &mut [i32]) {
+    for (d, &b) in dst.iter_mut().zip(src) {
+        *d = pair((b & 15) as i32, (b >> 4) as i32);
+    }
+}
+
+/// Splits the row tiles of every matrix (all `x.len() / m` wide) over rayon's threads; each
+/// task fills a panel per tile and runs it against every token vector.
+#[cfg(target_arch = "x86_64")]
+fn run(ws: &[&QMatrix], x: &[f32], m: usize, ys: &mut [&mut [f32]]) {
+    let k = ws.first().map_or(0, |w| w.cols);
+    assert!(ws.len() == ys.len() && x.len() == m * k);
+    for (w, y) in ws.iter().zip(ys.iter()) {
+        assert!(shape_ok(w) && w.cols == k && y.len() == m * w.rows);
+    }
+    if m == 0 {
+        return;
+    }
+    let acts = prepare(x, m, k);
+    let outs: Vec<SyncPtr> = ys.iter_mut().map(|y| SyncPtr(y.as_mut_ptr())).collect();
+    let tiles: usize = ws.iter().map(|w| w.rows.div_ceil(R)).sum();
+    let per_task = tiles
+        .div_ceil(rayon::current_num_threads().max(1) * 4)
+        .max(1);
+    // (matrix, first tile, end tile): runs of at most `per_task` tiles within one matrix
+    let mut tasks = Vec::new();
+    for (i, w) in ws.iter().enumerate() {
+        let n = w.rows.div_ceil(R);
+        tasks.extend(
+            (0..n)
+                .step_by(per_task)
+                .map(|t0| (i, t0, (t0 + per_task).min(n))),
+        );
+    }
+    tasks.into_par_iter().for_each(|(i, t0, t1)| {
+        let mut panel = Panel::new(acts.kbs);
+        for tile in t0..t1 {
+            // SAFETY: `usable` held (`qgemm`): the CPU has AVX-512 F/BW/VL and VNNI.
+            unsafe { simd::tile(ws[i], &acts, m, tile * R, &mut panel, &outs[i]) };
+        }
+    });
+}
+
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    use super::{Acts, Panel, SyncPtr, KB, PAIRS, R, TV};
+    use crate::engine::quant::QMatrix;
+
+    /// Rows `n0..n0 + R` against every token: the panel once, then token vectors two at a time.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VL and VNNI.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    pub unsafe fn tile(w: &QMatrix, a: &Acts, m: usize, n0: usize, p: &mut Panel, out: &SyncPtr) {
+        fill(p, w, n0);
+        let mt = m.div_ceil(TV);
+        let mut j = 0;
+        while j + 2 <= mt {
+            let f = vectors::<2>(a, p, j);
+            store(&f, w.rows, m, n0, j, out);
+            j += 2;
+        }
+        if j < mt {
+            let f = vectors::<1>(a, p, j);
+            store(&f, w.rows, m, n0, j, out);
+        }
+    }
+
+    /// 32 packed bytes as 32 code pairs: a byte `b` to the dword `(b & 15) | (b >> 4) << 16`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline]
+    pub(super) unsafe fn unpack(src: &[u8], dst: &mut [i32]) {
+        assert!(src.len() >= 32 && dst.len() >= 32);
+        let mask = _mm512_set1_epi32(0x000f_000f);
+        for h in 0..2 {
+            let d = _mm512_cvtepu8_epi32(_mm_loadu_si128(src.as_ptr().add(16 * h) as *const _));
+            // (d | d << 12) & 0x000f000f: the low nibble stays, the high one moves to bit 16
+            let v = _mm512_ternarylogic_epi32::<0xA8>(d, _mm512_slli_epi32::<12>(d), mask);
+            _mm512_storeu_si512(dst.as_mut_ptr().add(16 * h) as *mut _, v);
+        }
+    }
+
+    /// The panel's rows against token vectors `j..j + T`, every block: `[row][vector]` f32
+    /// sums of 16 tokens.
+    #[inline(always)]
+    unsafe fn vectors<const T: usize>(a: &Acts, p: &Panel, j: usize) -> [[__m512; T]; R] {
+        let kbs = a.kbs;
+        let mut f = [[_mm512_setzero_ps(); T]; R];
+        for kb in 0..kbs {
+            let mut c = [[_mm512_setzero_si512(); T]; R];
+            let wq = p.q.as_ptr().add(kb * R * PAIRS);
+            let xq: [*const i32; T] =
+                std::array::from_fn(|t| a.q.as_ptr().add(((j + t) * kbs + kb) * PAIRS * TV));
+            for pp in 0..PAIRS {
+                let xv: [__m512i; T] =
+                    std::array::from_fn(|t| _mm512_loadu_si512(xq[t].add(pp * TV) as *const _));
+                for r in 0..R {
+                    let wv = _mm512_set1_epi32(*wq.add(r * PAIRS + pp));
+                    for t in 0..T {
+                        c[r][t] = _mm512_dpwssd_epi32(c[r][t], xv[t], wv);
+                    }
+                }
+            }
+            let at: [usize; T] = std::array::from_fn(|t| ((j + t) * kbs + kb) * TV);
+            let d: [__m512; T] = std::array::from_fn(|t| _mm512_loadu_ps(a.d.as_ptr().add(at[t])));
+            let sx: [__m512; T] =
+                std::array::from_fn(|t| _mm512_loadu_ps(a.sx.as_ptr().add(at[t])));
+            for r in 0..R {
+                let s = _mm512_set1_ps(*p.s.get_unchecked(kb * R + r));
+                let b = _mm512_set1_ps(*p.b.get_unchecked(kb * R + r));
+                for t in 0..T {
+                    let v = _mm512_mul_ps(_mm512_cvtepi32_ps(c[r][t]), d[t]);
+                    f[r][t] = _mm512_fmadd_ps(b, sx[t], _mm512_fmadd_ps(v, s, f[r][t]));
+                }
+            }
+        }
+        f
+    }
+
+    /// Rows `n0..n0 + R` of `w` into the panel (zeros past the last row).
+    #[inline(always)]
+    unsafe fn fill(p: &mut Panel, w: &QMatrix, n0: usize) {
+        let (gs, gpr, rb) = (w.params.group_size, w.groups_per_row(), w.row_bytes());
+        let (scales, biases) = (w.scales.view(), w.biases.view());
+        for r in 0..R {
+            let n = n0 + r;
+            for kb in 0..w.cols / KB {
+                let at = kb * R + r;
+                let dst = &mut p.q[at * PAIRS..][..PAIRS];
+                if n < w.rows {
+                    unpack(&w.packed[n * rb + kb * KB / 2..][..KB / 2], dst);
+                    let g = n * gpr + kb * KB / gs;
+                    (p.s[at], p.b[at]) = (scales.get(g), biases.get(g));
+                } else {
+                    dst.fill(0);
+                    (p.s[at], p.b[at]) = (0.0, 0.0);
+                }
+            }
+        }
+    }
+
+    /// Writes the sums of token vectors `j..j + T` into `y (m x rows)`, rows and tokens that
+    /// exist only: each vector's 12 rows x 16 tokens transposed, so a token's rows are one
+    /// masked store.
+    #[inline(always)]
+    unsafe fn store<const T: usize>(
+        f: &[[__m512; T]; R],
+        rows: usize,
+        m: usize,
+        n0: usize,
+        j: usize,
+        out: &SyncPtr,
+    ) {
+        let nr = rows.saturating_sub(n0).min(R);
+        let mask = ((1u32 << nr) - 1) as __mmask16;
+        for t in 0..T {
+            let mut v = [_mm512_setzero_ps(); 16];
+            for r in 0..R {
+                v[r] = f[r][t];
+            }
+            let cols = transpose16(v);
+            for (i, c) in cols
+                .iter()
+                .enumerate()
+                .take(m.saturating_sub((j + t) * TV).min(TV))
+            {
+                // SAFETY (of the caller): token (j + t)·16 + i < m and rows n0..n0 + nr <
+                // rows, inside y; only this task writes the columns of its rows.
+                _mm512_mask_storeu_ps(out.0.add(((j + t) * TV + i) * rows + n0), mask, *c);
+            }
+        }
+    }
+
+    /// A 16x16 f32 transpose: `out[c]` lane `r` is `v[r]` lane `c`.
+    #[inline(always)]
+    pub(super) unsafe fn transpose16(v: [__m512; 16]) -> [__m512; 16] {
+        // pairs of rows interleaved: t[2i] lane L holds r2i[4L], r2i+1[4L], r2i[4L+1], r2i+1[4L+1]
+        let mut t = [_mm512_setzero_ps(); 16];
+        for i in 0..8 {
+            t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+        }
+        // u[4i + c] lane L holds rows 4i..4i + 4 of column 4L + c
+        let mut u = [_mm512_setzero_ps(); 16];
+        for i in 0..4 {
+            let pd = |x: __m512| _mm512_castps_pd(x);
+            u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+            u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+            u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+            u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+        }
+        // across 128-bit lanes: column 4L + c gathers lane L of u[c], u[4 + c], u[8 + c], u[12 + c]
+        let mut out = [_mm512_setzero_ps(); 16];
+        for c in 0..4 {
+            let a = _mm512_shuffle_f32x4::<0x44>(u[c], u[4 + c]);
+            let b = _mm512_shuffle_f32x4::<0xEE>(u[c], u[4 + c]);
+            let cc = _mm512_shuffle_f32x4::<0x44>(u[8 + c], u[12 + c]);
+            let d = _mm512_shuffle_f32x4::<0xEE>(u[8 + c], u[12 + c]);
+            out[c] = _mm512_shuffle_f32x4::<0x88>(a, cc);
+            out[4 + c] = _mm512_shuffle_f32x4::<0xDD>(a, cc);
+            out[8 + c] = _mm512_shuffle_f32x4::<0x88>(b, d);
+            out[12 + c] = _mm512_shuffle_f32x4::<0xDD>(b, d);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::quant::testutil::random_qmatrix;
+    use crate::engine::weights::Dtype;
+    use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn unpack_pairs_nibbles() {
+        let src: Vec<u8> = (0..32).map(|i| (i * 37 + 5) as u8).collect();
+        let mut dst = [0i32; 32];
+        unpack_portable(&src, &mut dst);
+        for (i, &v) in dst.iter().enumerate() {
+            assert_eq!(v & 0xffff, (src[i] & 15) as i32);
+            assert_eq!(v >> 16, (src[i] >> 4) as i32);
+        }
+        #[cfg(target_arch = "x86_64")]
+        if Isa::Avx512Vnni.supported() {
+            let mut v = [0i32; 32];
+            // SAFETY: the CPU has AVX-512.
+            unsafe { simd::unpack(&src, &mut v) };
+            assert_eq!(v, dst);
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn transpose16_transposes() {
+        if !Isa::Avx512Vnni.supported() {
+            eprintln!("transpose16_transposes: not run, no AVX-512 on this CPU");
+            return;
+        }
+        use std::arch::x86_64::*;
+        let m: Vec<f32> = (0..256).map(|i| i as f32).collect();
+        let mut got = [0f32; 256];
+        // SAFETY: the CPU has AVX-512; 16 rows of 16 read and written.
+        unsafe {
+            let v = std::array::from_fn(|r| _mm512_loadu_ps(m.as_ptr().add(16 * r)));
+            for (c, o) in simd::transpose16(v).iter().enumerate() {
+                _mm512_storeu_ps(got.as_mut_ptr().add(16 * c), *o);
+            }
+        }
+        for r in 0..16 {
+            for c in 0..16 {
+                assert_eq!(got[16 * c + r], m[16 * r + c], "row {r} column {c}");
+            }
+        }
+    }
+
+    /// On AVX-512 VNNI: against dequantize-then-matmul within what rounding x to 15 bits can
+    /// move each output (as `amx.rs`'s test), and bit for bit `amx.rs`'s emulated tiles (the
+    /// same arithmetic); `qmatmul` takes this path for `fast` prompts there.
+    #[test]
+    fn gemm_matches_reference_and_amx() {
+        if !Isa::Avx512Vnni.supported() {
+            eprintln!("gemm_matches_reference_and_amx: not run, no AVX-512 VNNI on this CPU");
+            return;
+        }
+        for (seed, (gs, m, k, rows)) in [
+            (64, 16, 64, 32),
+            (64, 17, 1024, 50),
+            (128, 64, 640, 96),
+            (64, 8, 192, 7),
+            (128, 33, 256, 64),
+            (64, 9, 128, 200),
+            (64, 48, 128, 13),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let dt = [Dtype::BF16, Dtype::F16, Dtype::F32][seed % 3];
+            let w = random_qmatrix(rows, k, 4, gs, dt, seed as u64 + 11);
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed as u64);
+            let mut x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+            x[3] = 40.0;
+            x[k..k + KB.min(k)].fill(0.0);
+            x[m * k - 1] = -17.0;
+            let mut got = vec![f32::NAN; m * rows];
+            #[cfg(target_arch = "x86_64")]
+            run(&[&w], &x, m, &mut [&mut got[..]]);
+            let want = w.matmul_reference(&x, m);
+            let max = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let wd = w.dequantize();
+            for t in 0..m {
+                for n in 0..rows {
+                    let mut bound = 1e-5 * max as f64;
+                    for kb in 0..k / KB {
+                        let blk = &x[t * k + kb * KB..][..KB];
+                        let d = blk.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 16383.0;
+                        let wsum: f64 = wd[n * k + kb * KB..][..KB]
+                            .iter()
+                            .map(|v| v.abs() as f64)
+                            .sum();
+                        bound += d / 2.0 * wsum;
+                    }
+                    let (g, r) = (got[t * rows + n], want[t * rows + n]);
+                    assert!(
+                        ((g - r).abs() as f64) <= bound,
+                        "gs {gs} m {m} k {k} rows {rows} token {t} row {n}: {g} vs {r}, bound {bound}"
+                    );
+                }
+            }
+            let tiles = crate::engine::cpu::amx::soft_gemm(&w, &x, m);
+            for (i, (a, b)) in got.iter().zip(&tiles).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "gs {gs} m {m} k {k}: element {i}");
+            }
+            if isa::active() == Isa::Avx512Vnni {
+                let mut via = vec![f32::NAN; m * rows];
+                crate::engine::cpu::quant::qmatmul(
+                    &w,
+                    &x,
+                    m,
+                    &mut via,
+                    crate::engine::quant::Numerics::Fast,
+                );
+                assert_eq!(via, got, "qmatmul's fast prompt path is this GEMM");
+            }
+        }
+    }
+}
