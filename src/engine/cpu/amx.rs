@@ -56,13 +56,31 @@ fn shape_ok(w: &QMatrix) -> bool {
 pub fn qgemm(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32]) {
     assert!(usable(w), "amx::qgemm without AMX");
     #[cfg(target_arch = "x86_64")]
-    run(w, x, m, y, |ctx, p0, p1| {
+    run(&[w], x, m, &mut [y], |ctx, p0, p1| {
         // SAFETY: `usable` holds: the CPU has AMX-INT8 and AVX-512, and Linux granted the
         // tile state to this process.
         unsafe { hw::task(ctx, p0, p1) }
     });
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (x, m, y);
+}
+
+/// `qgemm` of several matrices of the same input (q|k|v, gate|up): the activations laid out
+/// once, every matrix's A tiles in one parallel region. Callers check `usable` on each.
+pub fn qgemm_shared(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
+    assert!(ws.iter().all(|w| usable(w)), "amx::qgemm_shared without AMX");
+    let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; m * w.rows]).collect();
+    #[cfg(target_arch = "x86_64")]
+    {
+        let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
+        run(ws, x, m, &mut outs, |ctx, p0, p1| {
+            // SAFETY: as in `qgemm`.
+            unsafe { hw::task(ctx, p0, p1) }
+        });
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
+    ys
 }
 
 /// Whether this CPU has AMX-TILE and AMX-INT8, the OS enables their state, and Linux grants it
@@ -284,30 +302,50 @@ struct SyncPtr(*mut f32);
 // SAFETY: used only for writes to disjoint elements (each task its own columns of y).
 unsafe impl Sync for SyncPtr {}
 
-/// Splits the A tiles (16 weight rows each) over rayon's threads; `task(ctx, i0, i1)` computes
-/// tiles `i0..i1`.
-fn run(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], task: impl Fn(&Ctx, usize, usize) + Sync) {
-    assert!(shape_ok(w) && x.len() == m * w.cols && y.len() == m * w.rows);
-    if m == 0 || w.rows == 0 {
+/// Splits the A tiles (16 weight rows each) of every matrix (all `x.len() / m` wide) over
+/// rayon's threads; `task(ctx, i0, i1)` computes tiles `i0..i1` of the context's matrix.
+fn run(
+    ws: &[&QMatrix],
+    x: &[f32],
+    m: usize,
+    ys: &mut [&mut [f32]],
+    task: impl Fn(&Ctx, usize, usize) + Sync,
+) {
+    let k = ws.first().map_or(0, |w| w.cols);
+    assert!(ws.len() == ys.len() && x.len() == m * k);
+    for (w, y) in ws.iter().zip(ys.iter()) {
+        assert!(shape_ok(w) && w.cols == k && y.len() == m * w.rows);
+    }
+    if m == 0 {
         return;
     }
-    let acts = prepare(x, m, w.cols);
-    let ctx = Ctx {
-        w,
-        acts: &acts,
-        m,
-        out: SyncPtr(y.as_mut_ptr()),
-    };
-    let tiles = w.rows.div_ceil(NT);
+    let acts = prepare(x, m, k);
+    let ctxs: Vec<Ctx> = ws
+        .iter()
+        .zip(ys.iter_mut())
+        .map(|(w, y)| Ctx {
+            w,
+            acts: &acts,
+            m,
+            out: SyncPtr(y.as_mut_ptr()),
+        })
+        .collect();
+    let tiles: usize = ws.iter().map(|w| w.rows.div_ceil(NT)).sum();
     // a task's unpacked block (1 KiB a tile) and accumulators (1 KiB a tile and token tile,
     // read and written once a block) stay within 256 KiB of L2
     let cap = (256 / m.div_ceil(TT)).clamp(1, 32);
     let per_task = tiles
         .div_ceil(rayon::current_num_threads().max(1) * 2)
         .clamp(1, cap);
-    (0..tiles.div_ceil(per_task))
+    // (matrix, first tile, end tile): runs of at most `per_task` tiles within one matrix
+    let mut tasks = Vec::new();
+    for (i, w) in ws.iter().enumerate() {
+        let n = w.rows.div_ceil(NT);
+        tasks.extend((0..n).step_by(per_task).map(|t0| (i, t0, (t0 + per_task).min(n))));
+    }
+    tasks
         .into_par_iter()
-        .for_each(|t| task(&ctx, t * per_task, ((t + 1) * per_task).min(tiles)));
+        .for_each(|(i, t0, t1)| task(&ctxs[i], t0, t1));
 }
 
 /// A tiles `i0..i1` of the output through `tiles`: per block, every tile's rows are unpacked
@@ -629,7 +667,7 @@ mod hw {
 #[cfg(test)]
 pub(crate) fn soft_gemm(w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
     let mut y = vec![f32::NAN; m * w.rows];
-    run(w, x, m, &mut y, |ctx, p0, p1| {
+    run(&[w], x, m, &mut [&mut y[..]], |ctx, p0, p1| {
         task_body(&mut Soft::new(), ctx, p0, p1)
     });
     y
@@ -713,7 +751,7 @@ mod tests {
             if hw {
                 let mut on_hw = vec![f32::NAN; m * rows];
                 // SAFETY: AMX (with AVX-512) is supported and granted here.
-                run(&w, &x, m, &mut on_hw, |ctx, p0, p1| unsafe {
+                run(&[&w], &x, m, &mut [&mut on_hw[..]], |ctx, p0, p1| unsafe {
                     hw::task(ctx, p0, p1)
                 });
                 // (no FMA contraction in Rust: the AVX-512 build of the f32 steps rounds alike)

@@ -500,8 +500,8 @@ fn int_ok(w: &QMatrix, isa: Isa) -> bool {
 }
 
 /// `qmatmul` of `m` rows against several matrices of the same input (q|k|v, gate|up), where a
-/// shared path exists: a decode row (`qmatvec_shared`), or a `fast` prompt on AVX-512 VNNI
-/// (`vnni::qgemm_shared`: the activations laid out once, one parallel region). Same
+/// shared path exists: a decode row (`qmatvec_shared`), or a `fast` prompt on AMX or AVX-512
+/// VNNI (`amx`/`vnni::qgemm_shared`: the activations laid out once, one parallel region). Same
 /// arithmetic as `qmatmul` on each; `None` where the caller should run them one by one.
 pub fn qmatmul_shared(
     ws: &[&QMatrix],
@@ -516,9 +516,17 @@ pub fn qmatmul_shared(
     if m == 1 {
         return qmatvec_shared(ws, x, kernel);
     }
-    let vnni = ws.iter().all(|w| crate::engine::cpu::vnni::usable(w));
-    (kernel == Numerics::Fast && m >= GEMM_MIN_ROWS && vnni)
-        .then(|| crate::engine::cpu::vnni::qgemm_shared(ws, x, m))
+    if kernel != Numerics::Fast || m < GEMM_MIN_ROWS {
+        return None;
+    }
+    use crate::engine::cpu::{amx, vnni};
+    if ws.iter().all(|w| amx::usable(w)) {
+        Some(amx::qgemm_shared(ws, x, m))
+    } else if ws.iter().all(|w| vnni::usable(w)) {
+        Some(vnni::qgemm_shared(ws, x, m))
+    } else {
+        None
+    }
 }
 
 /// `qmatmul` of one decode row against several matrices of the same input (q|k|v, gate|up):
@@ -858,6 +866,31 @@ mod tests {
         assert!(qmatvec_shared(&[&ws[0], &other_gs], &x, Numerics::Fast).is_none());
         let other_bits = random_qmatrix(8, k, 8, 64, Dtype::BF16, 2);
         assert!(qmatvec_shared(&[&ws[0], &other_bits], &x, Numerics::Fast).is_none());
+    }
+
+    /// A `fast` prompt against matrices sharing one input gives each matrix's own `qmatmul`
+    /// bits where a shared prompt path runs (AMX, AVX-512 VNNI), and is refused (`None`)
+    /// elsewhere, for `exact`, and for too few rows.
+    #[test]
+    fn shared_input_prompts_equal_one_by_one() {
+        let (k, m) = (640, 37);
+        let ws: Vec<QMatrix> = [(96, 64), (40, 128), (300, 64)]
+            .iter()
+            .enumerate()
+            .map(|(i, &(rows, gs))| random_qmatrix(rows, k, 4, gs, Dtype::BF16, 60 + i as u64))
+            .collect();
+        let refs: Vec<&QMatrix> = ws.iter().collect();
+        let x = rand_x(m, k, 19);
+        let shared = matches!(isa::active(), Isa::Amx | Isa::Avx512Vnni);
+        let got = qmatmul_shared(&refs, &x, m, Numerics::Fast);
+        assert_eq!(got.is_some(), shared, "{:?}", isa::active());
+        for (w, y) in ws.iter().zip(got.iter().flatten()) {
+            let mut want = vec![0f32; m * w.rows];
+            qmatmul(w, &x, m, &mut want, Numerics::Fast);
+            assert_eq!(y, &want);
+        }
+        assert!(qmatmul_shared(&refs, &x, m, Numerics::Exact).is_none());
+        assert!(qmatmul_shared(&refs, &x[..4 * k], 4, Numerics::Fast).is_none());
     }
 
     /// The activation quantizer: the AVX2 pass gives the scalar definition's scales and

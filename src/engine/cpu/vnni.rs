@@ -269,6 +269,14 @@ mod simd {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
     pub unsafe fn tile(w: &QMatrix, a: &Acts, m: usize, n0: usize, p: &mut Panel, out: &SyncPtr) {
         fill(p, w, n0);
+        // the next tile's codes on their way to L2 while this one computes: a tile's rows are
+        // read once a call, mostly from memory, and the unpacking would wait for them
+        let (packed, rb): (&[u8], usize) = (&w.packed, w.row_bytes());
+        for n in (n0 + R).min(w.rows)..(n0 + 2 * R).min(w.rows) {
+            for off in (0..rb).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T1>(packed.as_ptr().add(n * rb + off) as *const i8);
+            }
+        }
         let mt = m.div_ceil(TV);
         let mut j = 0;
         while j + 2 <= mt {
@@ -338,13 +346,14 @@ mod simd {
     unsafe fn fill(p: &mut Panel, w: &QMatrix, n0: usize) {
         let (gs, gpr, rb) = (w.params.group_size, w.groups_per_row(), w.row_bytes());
         let (scales, biases) = (w.scales.view(), w.biases.view());
+        let packed: &[u8] = &w.packed;
         for r in 0..R {
             let n = n0 + r;
             for kb in 0..w.cols / KB {
                 let at = kb * R + r;
                 let dst = &mut p.q[at * PAIRS..][..PAIRS];
                 if n < w.rows {
-                    unpack(&w.packed[n * rb + kb * KB / 2..][..KB / 2], dst);
+                    unpack(&packed[n * rb + kb * KB / 2..][..KB / 2], dst);
                     let g = n * gpr + kb * KB / gs;
                     (p.s[at], p.b[at]) = (scales.get(g), biases.get(g));
                 } else {
