@@ -344,22 +344,34 @@ mod simd {
     /// Rows `n0..n0 + R` of `w` into the panel (zeros past the last row).
     #[inline(always)]
     unsafe fn fill(p: &mut Panel, w: &QMatrix, n0: usize) {
-        let (gs, gpr, rb) = (w.params.group_size, w.groups_per_row(), w.row_bytes());
+        let (gpr, rb) = (w.groups_per_row(), w.row_bytes());
+        let per_group = w.params.group_size / KB;
         let (scales, biases) = (w.scales.view(), w.biases.view());
         let packed: &[u8] = &w.packed;
-        for r in 0..R {
+        let kbs = w.cols / KB;
+        for r in 0..R.min(w.rows.saturating_sub(n0)) {
             let n = n0 + r;
-            for kb in 0..w.cols / KB {
-                let at = kb * R + r;
-                let dst = &mut p.q[at * PAIRS..][..PAIRS];
-                if n < w.rows {
-                    unpack(&packed[n * rb + kb * KB / 2..][..KB / 2], dst);
-                    let g = n * gpr + kb * KB / gs;
-                    (p.s[at], p.b[at]) = (scales.get(g), biases.get(g));
-                } else {
-                    dst.fill(0);
-                    (p.s[at], p.b[at]) = (0.0, 0.0);
+            let row = &packed[n * rb..][..rb];
+            let mut kb = 0;
+            for g in n * gpr..(n + 1) * gpr {
+                let (sg, bg) = (scales.get(g), biases.get(g));
+                for _ in 0..per_group {
+                    let at = kb * R + r;
+                    unpack(
+                        &row[kb * KB / 2..][..KB / 2],
+                        &mut p.q[at * PAIRS..][..PAIRS],
+                    );
+                    (p.s[at], p.b[at]) = (sg, bg);
+                    kb += 1;
                 }
+            }
+            debug_assert_eq!(kb, kbs);
+        }
+        for r in w.rows.saturating_sub(n0).min(R)..R {
+            for kb in 0..kbs {
+                let at = kb * R + r;
+                p.q[at * PAIRS..][..PAIRS].fill(0);
+                (p.s[at], p.b[at]) = (0.0, 0.0);
             }
         }
     }
