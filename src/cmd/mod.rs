@@ -177,8 +177,11 @@ pub fn report_post(p: &Post, i: usize, n: usize) {
 
 /// Sizes the global worker pool once; later calls keep the first size. A count past
 /// `settings::MAX_THREADS` is refused (each is an OS thread; 100000 would hang the start).
+/// Also the rest of the process's set-up for the CPU engine: `BOT_CPU_ISA` checked, freed
+/// buffers kept for reuse (`heap`).
 pub fn init_threads(threads: Option<usize>) -> Result<(), BadArgument> {
     crate::engine::cpu::isa::check_env().map_err(BadArgument)?;
+    crate::engine::cpu::heap::keep_freed_buffers();
     if let Some(n) = threads {
         if !(1..=crate::app::settings::MAX_THREADS).contains(&n) {
             return Err(BadArgument(format!(

@@ -68,7 +68,10 @@ pub fn qgemm(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32]) {
 /// `qgemm` of several matrices of the same input (q|k|v, gate|up): the activations laid out
 /// once, every matrix's A tiles in one parallel region. Callers check `usable` on each.
 pub fn qgemm_shared(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
-    assert!(ws.iter().all(|w| usable(w)), "amx::qgemm_shared without AMX");
+    assert!(
+        ws.iter().all(|w| usable(w)),
+        "amx::qgemm_shared without AMX"
+    );
     let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; m * w.rows]).collect();
     #[cfg(target_arch = "x86_64")]
     {
@@ -341,7 +344,11 @@ fn run(
     let mut tasks = Vec::new();
     for (i, w) in ws.iter().enumerate() {
         let n = w.rows.div_ceil(NT);
-        tasks.extend((0..n).step_by(per_task).map(|t0| (i, t0, (t0 + per_task).min(n))));
+        tasks.extend(
+            (0..n)
+                .step_by(per_task)
+                .map(|t0| (i, t0, (t0 + per_task).min(n))),
+        );
     }
     tasks
         .into_par_iter()

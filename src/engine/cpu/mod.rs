@@ -5,6 +5,7 @@ pub mod act;
 pub mod amx;
 pub mod attention;
 pub mod gemm;
+pub mod heap;
 pub mod isa;
 pub mod quant;
 pub mod sample;
