@@ -140,14 +140,15 @@ fn prepare(x: &[f32], m: usize, k: usize) -> Acts {
             #[cfg(target_arch = "x86_64")]
             if isa::active().avx512() {
                 // SAFETY: the process's instruction set includes AVX-512 F/BW/VL.
-                return unsafe { prepare_vector_avx512(x, m, k, j, q, d, sx) };
+                return unsafe { simd::prepare_vector(x, m, k, j, q, d, sx) };
             }
             prepare_vector(x, m, k, j, q, d, sx)
         });
     a
 }
 
-/// `prepare`'s work for token vector `j`.
+/// `prepare`'s work for token vector `j`: the definition, which `simd::prepare_vector`
+/// matches bit for bit.
 #[inline(always)]
 fn prepare_vector(
     x: &[f32],
@@ -169,21 +170,6 @@ fn prepare_vector(
             }
         }
     }
-}
-
-/// `prepare_vector` compiled for AVX-512.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn prepare_vector_avx512(
-    x: &[f32],
-    m: usize,
-    k: usize,
-    j: usize,
-    q: &mut [i32],
-    d: &mut [f32],
-    sx: &mut [f32],
-) {
-    prepare_vector(x, m, k, j, q, d, sx)
 }
 
 /// A pointer that tasks writing disjoint elements may share.
@@ -246,20 +232,22 @@ fn run(ws: &[&QMatrix], x: &[f32], m: usize, ys: &mut [&mut [f32]]) {
                 .map(|t0| (i, t0, (t0 + per_task).min(n))),
         );
     }
-    tasks.into_par_iter().for_each(|(i, t0, t1)| {
-        let mut panel = Panel::new(acts.kbs);
-        for tile in t0..t1 {
-            // SAFETY: `usable` held (`qgemm`): the CPU has AVX-512 F/BW/VL and VNNI.
-            unsafe { simd::tile(ws[i], &acts, m, tile * R, &mut panel, &outs[i]) };
-        }
-    });
+    tasks.into_par_iter().for_each_init(
+        || Panel::new(acts.kbs),
+        |panel, (i, t0, t1)| {
+            for tile in t0..t1 {
+                // SAFETY: `usable` held (`qgemm`): the CPU has AVX-512 F/BW/VL and VNNI.
+                unsafe { simd::tile(ws[i], &acts, m, tile * R, panel, &outs[i]) };
+            }
+        },
+    );
 }
 
 #[cfg(target_arch = "x86_64")]
 mod simd {
     use std::arch::x86_64::*;
 
-    use super::{Acts, Panel, SyncPtr, KB, PAIRS, R, TV};
+    use super::{Acts, Panel, SyncPtr, KB, PAIRS, QMAX, R, TV};
     use crate::engine::quant::QMatrix;
 
     /// Rows `n0..n0 + R` against every token: the panel once, then token vectors two at a time.
@@ -339,6 +327,70 @@ mod simd {
             }
         }
         f
+    }
+
+    /// `super::prepare_vector` in 16 lanes: a token's block as four vectors (the lane-wise max
+    /// and sum in `quantize`'s order, the lanes' sum folded by the same scalar code), rounded
+    /// with `cvtps2dq` (ties to even, as `quantize`'s trick), narrowed to 16 bits; then the 16
+    /// tokens' pairs transposed so that each pair is one vector of tokens.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VL.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    pub(super) unsafe fn prepare_vector(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        j: usize,
+        q: &mut [i32],
+        d: &mut [f32],
+        sx: &mut [f32],
+    ) {
+        let tokens = TV.min(m - j * TV);
+        let kbs = k / KB;
+        assert!(x.len() >= (j * TV + tokens) * k && q.len() >= kbs * PAIRS * TV);
+        assert!(d.len() >= kbs * TV && sx.len() >= kbs * TV);
+        let lim = _mm512_set1_epi32(QMAX as i32);
+        for kb in 0..kbs {
+            // pairs 0..16 and 16..32 of each token, as rows to transpose
+            let mut lo = [_mm512_setzero_ps(); 16];
+            let mut hi = [_mm512_setzero_ps(); 16];
+            for t in 0..tokens {
+                let p = x.as_ptr().add((j * TV + t) * k + kb * KB);
+                let v: [__m512; 4] = std::array::from_fn(|c| _mm512_loadu_ps(p.add(16 * c)));
+                let (mut mx, mut sm) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+                for c in v {
+                    mx = _mm512_max_ps(mx, _mm512_abs_ps(c));
+                    sm = _mm512_add_ps(sm, c);
+                }
+                let mut lanes = [0f32; 16];
+                _mm512_storeu_ps(lanes.as_mut_ptr(), sm);
+                let sum: f32 = lanes.iter().sum();
+                let amax = _mm512_reduce_max_ps(mx);
+                let dt = amax / QMAX;
+                let inv = _mm512_set1_ps(if amax > 0.0 { 1.0 / dt } else { 0.0 });
+                let w: [__m256i; 4] = std::array::from_fn(|c| {
+                    let qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[c], inv));
+                    let qi = _mm512_max_epi32(
+                        _mm512_min_epi32(qi, lim),
+                        _mm512_sub_epi32(_mm512_setzero_si512(), lim),
+                    );
+                    _mm512_cvtepi32_epi16(qi)
+                });
+                let join = |a: __m256i, b: __m256i| {
+                    _mm512_castsi512_ps(_mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b))
+                };
+                lo[t] = join(w[0], w[1]);
+                hi[t] = join(w[2], w[3]);
+                (d[kb * TV + t], sx[kb * TV + t]) = (dt, sum);
+            }
+            let dst = q.as_mut_ptr().add(kb * PAIRS * TV);
+            for (h, rows) in [lo, hi].into_iter().enumerate() {
+                for (p, v) in transpose16(rows).iter().enumerate() {
+                    _mm512_storeu_ps(dst.add((16 * h + p) * TV) as *mut f32, *v);
+                }
+            }
+        }
     }
 
     /// Rows `n0..n0 + R` of `w` into the panel (zeros past the last row).
@@ -488,6 +540,44 @@ mod tests {
             for c in 0..16 {
                 assert_eq!(got[16 * c + r], m[16 * r + c], "row {r} column {c}");
             }
+        }
+    }
+
+    /// The AVX-512 layout pass gives the portable definition's codes, scales and sums bit for
+    /// bit: a token tail, a zero block, ties, an outlier, tiny and huge magnitudes.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn prepare_avx512_matches_portable() {
+        if !Isa::Avx512Vnni.supported() {
+            eprintln!("prepare_avx512_matches_portable: not run, no AVX-512 on this CPU");
+            return;
+        }
+        let (m, k) = (21, 320);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let mut x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+        x[64..128].fill(0.0);
+        x[130] = 1.0e30;
+        x[200] = -1.0e-30;
+        x[k + 5] = -0.0;
+        // x / d lands on a tie: the block's max 2, so 1 is 16383 / 2 = 8191.5 steps
+        x[2 * k..2 * k + KB].iter_mut().for_each(|v| *v /= 3.0);
+        x[2 * k] = 2.0;
+        x[2 * k + 1] = 1.0;
+        for j in 0..m.div_ceil(TV) {
+            let kbs = k / KB;
+            let mut want = (
+                vec![0; kbs * PAIRS * TV],
+                vec![0.0; kbs * TV],
+                vec![0.0; kbs * TV],
+            );
+            let mut got = want.clone();
+            prepare_vector(&x, m, k, j, &mut want.0, &mut want.1, &mut want.2);
+            // SAFETY: the CPU has AVX-512.
+            unsafe { simd::prepare_vector(&x, m, k, j, &mut got.0, &mut got.1, &mut got.2) };
+            assert_eq!(got.0, want.0, "token vector {j}: codes");
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got.1), bits(&want.1), "token vector {j}: scales");
+            assert_eq!(bits(&got.2), bits(&want.2), "token vector {j}: sums");
         }
     }
 
