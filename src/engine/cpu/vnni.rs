@@ -219,8 +219,10 @@ fn run(ws: &[&QMatrix], x: &[f32], m: usize, ys: &mut [&mut [f32]]) {
     let acts = prepare(x, m, k);
     let outs: Vec<SyncPtr> = ys.iter_mut().map(|y| SyncPtr(y.as_mut_ptr())).collect();
     let tiles: usize = ws.iter().map(|w| w.rows.div_ceil(R)).sum();
+    // small tasks (~16 a thread, a few tiles each): a region ends when its last task does, and
+    // on a shared machine one core may run slower than the other for a while
     let per_task = tiles
-        .div_ceil(rayon::current_num_threads().max(1) * 4)
+        .div_ceil(rayon::current_num_threads().max(1) * 16)
         .max(1);
     // (matrix, first tile, end tile): runs of at most `per_task` tiles within one matrix
     let mut tasks = Vec::new();
