@@ -49,5 +49,15 @@ shape, r, lp, ld, bp, bd = sys.argv[1], sys.argv[2], *map(float, sys.argv[3:])
 print(f"{shape} round {r}: prefill 64 tok/s  llama.cpp {lp:7.1f}  bot {bp:7.1f}  ratio {bp/lp:.2f}x | "
       f"decode tok/s  llama.cpp {ld:6.1f}  bot {bd:6.1f}  ratio {bd/ld:.2f}x")
 PY
+    echo "$lp $ld $bp $bd" >> "$WORK/rounds-$shape.$$"
   done
+  # on a shared machine one round can land in a neighbour's busy minute: the medians over rounds
+  python3 - "$shape" "$WORK/rounds-$shape.$$" <<'PY'
+import statistics, sys
+rows = [list(map(float, l.split())) for l in open(sys.argv[2])]
+lp, ld, bp, bd = (statistics.median(c) for c in zip(*rows))
+print(f"{sys.argv[1]} median of {len(rows)}: prefill ratio {bp/lp:.2f}x (llama.cpp {lp:.1f}, bot {bp:.1f}) | "
+      f"decode ratio {bd/ld:.2f}x (llama.cpp {ld:.1f}, bot {bd:.1f})")
+PY
+  rm -f "$WORK/rounds-$shape.$$"
 done
