@@ -336,12 +336,13 @@ fn run(
     let tiles: usize = ws.iter().map(|w| w.rows.div_ceil(NT)).sum();
     // a task's unpacked block (1 KiB a tile) and accumulators (1 KiB a tile and token tile,
     // read and written once a block) stay within 256 KiB of L2
-    let cap = (256 / m.div_ceil(TT)).clamp(2, 32);
-    // ~8 tasks a thread, so the region's tail is short, of at least two A tiles (the slots
-    // overlap one's products with the other's combine)
+    let cap = (256 / m.div_ceil(TT)).clamp(1, 32);
+    // ~8 tasks a thread, so the region's tail is short, of two A tiles at least (the slots
+    // overlap one's products with the other's combine) where the cap allows
     let per_task = tiles
         .div_ceil(rayon::current_num_threads().max(1) * 8)
-        .clamp(2, cap);
+        .max(2)
+        .min(cap);
     // (matrix, first tile, end tile): runs of at most `per_task` tiles within one matrix
     let mut tasks = Vec::new();
     for (i, w) in ws.iter().enumerate() {

@@ -18,9 +18,10 @@
 //! is exact too); then `y = fma(b, Σx, fma(c·d, s, y))` in f32, block after block.
 //!
 //! Layout: activations once a call as `[token vector][block][pair][16 tokens]` dwords (two
-//! i16: value `2p` low, `2p + 1` high); a task's weight rows once as `[block][row][pair]`
-//! dwords (code `2p` low, `2p + 1` high: a packed byte's two nibbles), so each step's 12
-//! broadcasts come from 12 rows of the L1-resident unpacked panel.
+//! i16: value `2p` low, `2p + 1` high); a row tile's codes once as `[block][row][pair]` dwords
+//! (code `2p` low, `2p + 1` high: a packed byte's two nibbles), so each step's 12 broadcasts
+//! come from 12 rows of the unpacked panel (24-72 KiB, in L1 or L2). The tile's sums are
+//! transposed in registers, so a token's 12 outputs are one masked store.
 
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
@@ -37,6 +38,7 @@ const PAIRS: usize = KB / 2;
 const TV: usize = 16;
 /// Weight rows of one register tile.
 const R: usize = 12;
+/// The largest activation code: 15 bits with the sign.
 pub(crate) const QMAX: f32 = 16383.0;
 
 /// Whether the prompt GEMM of `w` runs here: the process's instruction set is `avx512-vnni`
@@ -53,7 +55,9 @@ pub(crate) fn shape_ok(w: &QMatrix) -> bool {
         && w.cols.is_multiple_of(KB)
 }
 
-/// One token's 64 values as 15-bit integers: `(d, Σx)`, `q[i] = round_ties_even(x[i] / d)`.
+/// One token's 64 values as 15-bit integers: `(d, Σx)`, `q[i] = round_ties_even(x[i] · (1/d))`
+/// (0 where `d` is 0 or subnormal). Non-finite inputs give non-finite outputs, not the same
+/// codes on every path.
 /// The one definition of `fast` prompt activations (`amx.rs` splits these into bytes). Written
 /// in 16 lanes (the max and the sum lane-wise, then folded in a fixed order) so that it
 /// compiles to vector code.
@@ -69,7 +73,8 @@ pub(crate) fn quantize(blk: &[f32], q: &mut [i32; KB]) -> (f32, f32) {
     let amax = mx.iter().fold(0f32, |a, &v| a.max(v));
     let sum = sm.iter().sum();
     let d = amax / QMAX;
-    let inv = if amax > 0.0 { 1.0 / d } else { 0.0 };
+    // a block of zeros, or so small that `d` is subnormal and 1/d overflows: all codes 0
+    let inv = if d >= f32::MIN_POSITIVE { 1.0 / d } else { 0.0 };
     // 1.5·2^23: adding it leaves an |x| < 2^22 rounded to an integer, ties to even (the
     // default rounding), and no libm call
     const ROUND: f32 = 12_582_912.0;
@@ -370,7 +375,11 @@ mod simd {
                 let sum: f32 = lanes.iter().sum();
                 let amax = _mm512_reduce_max_ps(mx);
                 let dt = amax / QMAX;
-                let inv = _mm512_set1_ps(if amax > 0.0 { 1.0 / dt } else { 0.0 });
+                let inv = _mm512_set1_ps(if dt >= f32::MIN_POSITIVE {
+                    1.0 / dt
+                } else {
+                    0.0
+                });
                 let w: [__m256i; 4] = std::array::from_fn(|c| {
                     let qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[c], inv));
                     let qi = _mm512_max_epi32(
@@ -561,6 +570,8 @@ mod tests {
         x[130] = 1.0e30;
         x[200] = -1.0e-30;
         x[k + 5] = -0.0;
+        // a block whose scale is subnormal (1/d would overflow): codes 0 on both paths
+        x[k + 64..k + 128].iter_mut().for_each(|v| *v *= 1.0e-36);
         // x / d lands on a tie: the block's max 2, so 1 is 16383 / 2 = 8191.5 steps
         x[2 * k..2 * k + KB].iter_mut().for_each(|v| *v /= 3.0);
         x[2 * k] = 2.0;
