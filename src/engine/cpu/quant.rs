@@ -374,7 +374,12 @@ pub(crate) fn quantize_row_scalar(x: &[f32], qmax: f32, d: &mut [f32], q: &mut [
     {
         let amax = blk.iter().fold(0f32, |a, v| a.max(v.abs()));
         let dv = amax / qmax;
-        let inv = if dv > 0.0 { 1.0 / dv } else { 0.0 };
+        // a zero block, or one whose scale is subnormal (1/dv would overflow): codes 0
+        let inv = if dv >= f32::MIN_POSITIVE {
+            1.0 / dv
+        } else {
+            0.0
+        };
         *db = dv;
         for (o, &v) in qb.iter_mut().zip(blk) {
             *o = (v * inv).round_ties_even() as i32;
@@ -912,6 +917,8 @@ mod tests {
         x[64..96].fill(0.0); // an all-zero block
         x[128] = 3.0e30;
         x[200] = -1.0e-30;
+        // a block whose scale is subnormal (1/d would overflow to inf): codes 0
+        x[224..256].iter_mut().for_each(|v| *v *= 1.0e-37);
         for split in [true, false] {
             let qmax = if split { 16383.0 } else { 127.0 };
             // a block whose scale is 1: its halves are ties, rounded to even
@@ -922,6 +929,7 @@ mod tests {
             let (mut d0, mut q0) = (vec![0f32; nb], vec![0i32; k]);
             quantize_row_scalar(&x[..k], qmax, &mut d0, &mut q0);
             assert!(q0.iter().all(|q| q.abs() <= qmax as i32));
+            assert!(q0[224..256].iter().all(|&q| q == 0), "subnormal scale");
             let ties: Vec<i32> = (1..32)
                 .map(|j| ((j as f32 - 16.5) / 2.0).round() as i32 * 2)
                 .collect();

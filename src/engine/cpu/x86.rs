@@ -636,7 +636,12 @@ pub unsafe fn quantize_row_avx2(x: &[f32], qmax: f32, d: &mut [f32], q: &mut [i3
         let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
         let h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
         let dv = _mm_cvtss_f32(h) / qmax;
-        let inv = if dv > 0.0 { 1.0 / dv } else { 0.0 };
+        // a zero block, or one whose scale is subnormal (1/dv would overflow): codes 0
+        let inv = if dv >= f32::MIN_POSITIVE {
+            1.0 / dv
+        } else {
+            0.0
+        };
         *db = dv;
         let iv = _mm256_set1_ps(inv);
         for (t, &vt) in v.iter().enumerate() {
