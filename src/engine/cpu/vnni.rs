@@ -107,7 +107,7 @@ pub fn qgemm_shared(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
         run(ws, x, m, &mut outs);
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = x;
+    let _ = (x, &mut ys);
     ys
 }
 
@@ -508,8 +508,11 @@ mod simd {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(target_arch = "x86_64")]
     use crate::engine::quant::testutil::random_qmatrix;
+    #[cfg(target_arch = "x86_64")]
     use crate::engine::weights::Dtype;
+    #[cfg(target_arch = "x86_64")]
     use rand::{Rng, SeedableRng};
 
     #[test]
@@ -597,6 +600,7 @@ mod tests {
     /// On AVX-512 VNNI: against dequantize-then-matmul within what rounding x to 15 bits can
     /// move each output (as `amx.rs`'s test), and bit for bit `amx.rs`'s emulated tiles (the
     /// same arithmetic); `qmatmul` takes this path for `fast` prompts there.
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn gemm_matches_reference_and_amx() {
         if !Isa::Avx512Vnni.supported() {
@@ -623,7 +627,6 @@ mod tests {
             x[k..k + KB.min(k)].fill(0.0);
             x[m * k - 1] = -17.0;
             let mut got = vec![f32::NAN; m * rows];
-            #[cfg(target_arch = "x86_64")]
             run(&[&w], &x, m, &mut [&mut got[..]]);
             let want = w.matmul_reference(&x, m);
             let max = want.iter().fold(0f32, |a, v| a.max(v.abs()));
