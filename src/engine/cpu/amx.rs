@@ -36,7 +36,7 @@ use crate::engine::cpu::isa::{self, Isa};
 use crate::engine::quant::QMatrix;
 
 // KB: values a block holds: one activation scale, one tile row of bytes
-use crate::engine::cpu::vnni::{self, KB};
+use crate::engine::cpu::vnni::{self, SyncPtr, KB};
 /// Tokens a B tile holds.
 const TT: usize = 16;
 /// Bytes of one tile (16 rows of 64).
@@ -72,18 +72,15 @@ pub fn qgemm_shared(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
         ws.iter().all(|w| usable(w)),
         "amx::qgemm_shared without AMX"
     );
-    let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; m * w.rows]).collect();
-    #[cfg(target_arch = "x86_64")]
-    {
-        let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
-        run(ws, x, m, &mut outs, |ctx, p0, p1| {
+    vnni::shared_outputs(ws, m, |_outs| {
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = x;
+        #[cfg(target_arch = "x86_64")]
+        run(ws, x, m, _outs, |ctx, p0, p1| {
             // SAFETY: as in `qgemm`.
             unsafe { hw::task(ctx, p0, p1) }
         });
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (x, &mut ys);
-    ys
+    })
 }
 
 /// Whether this CPU has AMX-TILE and AMX-INT8, the OS enables their state, and Linux grants it
@@ -300,11 +297,6 @@ struct Ctx<'a> {
     out: SyncPtr,
 }
 
-/// A pointer that tasks writing disjoint elements may share.
-struct SyncPtr(*mut f32);
-// SAFETY: used only for writes to disjoint elements (each task its own columns of y).
-unsafe impl Sync for SyncPtr {}
-
 /// Splits the A tiles (16 weight rows each) of every matrix (all `x.len() / m` wide) over
 /// rayon's threads; `task(ctx, i0, i1)` computes tiles `i0..i1` of the context's matrix.
 fn run(
@@ -314,11 +306,7 @@ fn run(
     ys: &mut [&mut [f32]],
     task: impl Fn(&Ctx, usize, usize) + Sync,
 ) {
-    let k = ws.first().map_or(0, |w| w.cols);
-    assert!(ws.len() == ys.len() && x.len() == m * k);
-    for (w, y) in ws.iter().zip(ys.iter()) {
-        assert!(shape_ok(w) && w.cols == k && y.len() == m * w.rows);
-    }
+    let k = vnni::check_shapes(ws, x, m, ys);
     if m == 0 {
         return;
     }
@@ -343,16 +331,7 @@ fn run(
         .div_ceil(rayon::current_num_threads().max(1) * 8)
         .max(2)
         .min(cap);
-    // (matrix, first tile, end tile): runs of at most `per_task` tiles within one matrix
-    let mut tasks = Vec::new();
-    for (i, w) in ws.iter().enumerate() {
-        let n = w.rows.div_ceil(NT);
-        tasks.extend(
-            (0..n)
-                .step_by(per_task)
-                .map(|t0| (i, t0, (t0 + per_task).min(n))),
-        );
-    }
+    let tasks = vnni::tile_runs(ws, NT, per_task);
     tasks
         .into_par_iter()
         .for_each(|(i, t0, t1)| task(&ctxs[i], t0, t1));
@@ -683,12 +662,71 @@ pub(crate) fn soft_gemm(w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
     y
 }
 
+/// A case of the 15-bit prompt GEMM tests (here and `vnni.rs`): `rows x k` random 4-bit
+/// weights in groups of `gs` (bf16, f16 or f32 scales by `seed`) and `m` tokens of inputs in
+/// ±2 with an outlier, a zero block and a negative extreme.
+#[cfg(test)]
+pub(crate) fn test_case(
+    seed: usize,
+    gs: usize,
+    m: usize,
+    k: usize,
+    rows: usize,
+) -> (QMatrix, Vec<f32>) {
+    use crate::engine::quant::testutil::random_qmatrix;
+    use crate::engine::weights::Dtype;
+    use rand::{Rng, SeedableRng};
+    let dt = [Dtype::BF16, Dtype::F16, Dtype::F32][seed % 3];
+    let w = random_qmatrix(rows, k, 4, gs, dt, seed as u64 + 11);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed as u64);
+    let mut x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+    x[3] = 40.0;
+    x[k..k + KB.min(k)].fill(0.0);
+    x[m * k - 1] = -17.0;
+    (w, x)
+}
+
+/// Asserts each of `got`'s outputs within what rounding x to 15 bits can move it from
+/// dequantize-then-matmul: at most d/2 a value, so Σ_blocks d/2 · Σ|w| over the block, plus
+/// 1e-5 of the largest |y| for f32 sums. Returns the reference and its largest |y|.
+#[cfg(test)]
+pub(crate) fn assert_within_rounding(
+    w: &QMatrix,
+    x: &[f32],
+    m: usize,
+    got: &[f32],
+) -> (Vec<f32>, f32) {
+    let (k, rows, gs) = (w.cols, w.rows, w.params.group_size);
+    let want = w.matmul_reference(x, m);
+    let max = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let wd = w.dequantize();
+    for t in 0..m {
+        for n in 0..rows {
+            let mut bound = 1e-5 * max as f64;
+            for kb in 0..k / KB {
+                let blk = &x[t * k + kb * KB..][..KB];
+                let d = blk.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 16383.0;
+                let wsum: f64 = wd[n * k + kb * KB..][..KB]
+                    .iter()
+                    .map(|v| v.abs() as f64)
+                    .sum();
+                bound += d / 2.0 * wsum;
+            }
+            let (g, r) = (got[t * rows + n], want[t * rows + n]);
+            assert!(
+                ((g - r).abs() as f64) <= bound,
+                "gs {gs} m {m} k {k} rows {rows} token {t} row {n}: {g} vs {r}, bound {bound}"
+            );
+        }
+    }
+    (want, max)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::engine::quant::testutil::random_qmatrix;
     use crate::engine::weights::Dtype;
-    use rand::{Rng, SeedableRng};
 
     fn soft(w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
         soft_gemm(w, x, m)
@@ -716,39 +754,9 @@ mod tests {
         .into_iter()
         .enumerate()
         {
-            let dt = [Dtype::BF16, Dtype::F16, Dtype::F32][seed % 3];
-            let w = random_qmatrix(rows, k, 4, gs, dt, seed as u64 + 11);
-            let mut rng = rand::rngs::StdRng::seed_from_u64(seed as u64);
-            let mut x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2.0f32..2.0)).collect();
-            // an outlier, a zero block, and a negative extreme
-            x[3] = 40.0;
-            x[k..k + KB.min(k)].fill(0.0);
-            x[m * k - 1] = -17.0;
-            let want = w.matmul_reference(&x, m);
+            let (w, x) = test_case(seed, gs, m, k, rows);
             let got = soft(&w, &x, m);
-            let max = want.iter().fold(0f32, |a, v| a.max(v.abs()));
-            // rounding x to 15 bits moves each value by at most d/2, so y by at most
-            // Σ_blocks d/2 · Σ|w| over the block; f32 sums add 1e-5 of the largest |y|
-            let wd = w.dequantize();
-            for t in 0..m {
-                for n in 0..rows {
-                    let mut bound = 1e-5 * max as f64;
-                    for kb in 0..k / KB {
-                        let blk = &x[t * k + kb * KB..][..KB];
-                        let d = blk.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 16383.0;
-                        let wsum: f64 = wd[n * k + kb * KB..][..KB]
-                            .iter()
-                            .map(|v| v.abs() as f64)
-                            .sum();
-                        bound += d / 2.0 * wsum;
-                    }
-                    let (g, r) = (got[t * rows + n], want[t * rows + n]);
-                    assert!(
-                        ((g - r).abs() as f64) <= bound,
-                        "gs {gs} m {m} k {k} rows {rows} token {t} row {n}: {g} vs {r}, bound {bound}"
-                    );
-                }
-            }
+            let (want, max) = assert_within_rounding(&w, &x, m, &got);
             let err = got
                 .iter()
                 .zip(&want)

@@ -25,6 +25,7 @@
 
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
+#[cfg(target_arch = "x86_64")]
 use rayon::prelude::*;
 
 use crate::engine::cpu::isa::{self, Isa};
@@ -100,15 +101,54 @@ pub fn qgemm_shared(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
         ws.iter().all(|w| usable(w)),
         "vnni::qgemm_shared without AVX-512 VNNI"
     );
+    shared_outputs(ws, m, |_outs| {
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = x;
+        #[cfg(target_arch = "x86_64")]
+        run(ws, x, m, _outs);
+    })
+}
+
+/// The outputs of a shared-input call (`m x rows` each), filled by `run(outs)`. Also `amx.rs`'s.
+pub(crate) fn shared_outputs(
+    ws: &[&QMatrix],
+    m: usize,
+    run: impl FnOnce(&mut [&mut [f32]]),
+) -> Vec<Vec<f32>> {
     let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; m * w.rows]).collect();
-    #[cfg(target_arch = "x86_64")]
-    {
-        let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
-        run(ws, x, m, &mut outs);
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (x, &mut ys);
+    let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
+    run(&mut outs);
     ys
+}
+
+/// Checks a call's shapes (every matrix `shape_ok` and as wide as `x`'s rows, each output
+/// `m x rows`); returns that width. Also `amx.rs`'s.
+pub(crate) fn check_shapes(ws: &[&QMatrix], x: &[f32], m: usize, ys: &[&mut [f32]]) -> usize {
+    let k = ws.first().map_or(0, |w| w.cols);
+    assert!(ws.len() == ys.len() && x.len() == m * k);
+    for (w, y) in ws.iter().zip(ys) {
+        assert!(shape_ok(w) && w.cols == k && y.len() == m * w.rows);
+    }
+    k
+}
+
+/// A parallel region's tasks: `(matrix, first tile, end tile)`, runs of at most `per_task`
+/// tiles of `tile_rows` rows within one matrix. Also `amx.rs`'s.
+pub(crate) fn tile_runs(
+    ws: &[&QMatrix],
+    tile_rows: usize,
+    per_task: usize,
+) -> Vec<(usize, usize, usize)> {
+    let mut tasks = Vec::new();
+    for (i, w) in ws.iter().enumerate() {
+        let n = w.rows.div_ceil(tile_rows);
+        tasks.extend(
+            (0..n)
+                .step_by(per_task)
+                .map(|t0| (i, t0, (t0 + per_task).min(n))),
+        );
+    }
+    tasks
 }
 
 /// The activations of one call: token vector `j`, block `kb`, pair `p`, token `t` at
@@ -121,12 +161,13 @@ struct Acts {
     kbs: usize,
 }
 
-/// Two i16 in one dword, `lo` in the low half.
-#[inline(always)]
+/// Two i16 in one dword, `lo` in the low half (the portable layouts' packing).
+#[cfg(test)]
 fn pair(lo: i32, hi: i32) -> i32 {
     ((lo as u32 & 0xffff) | ((hi as u32) << 16)) as i32
 }
 
+#[cfg(target_arch = "x86_64")]
 fn prepare(x: &[f32], m: usize, k: usize) -> Acts {
     let (mt, kbs) = (m.div_ceil(TV), k / KB);
     let mut a = Acts {
@@ -142,19 +183,15 @@ fn prepare(x: &[f32], m: usize, k: usize) -> Acts {
         )
         .enumerate()
         .for_each(|(j, (q, (d, sx)))| {
-            #[cfg(target_arch = "x86_64")]
-            if isa::active().avx512() {
-                // SAFETY: the process's instruction set includes AVX-512 F/BW/VL.
-                return unsafe { simd::prepare_vector(x, m, k, j, q, d, sx) };
-            }
-            prepare_vector(x, m, k, j, q, d, sx)
+            // SAFETY: `run` is reached through `usable` only: the CPU has AVX-512 F/BW/VL.
+            unsafe { simd::prepare_vector(x, m, k, j, q, d, sx) }
         });
     a
 }
 
 /// `prepare`'s work for token vector `j`: the definition, which `simd::prepare_vector`
-/// matches bit for bit.
-#[inline(always)]
+/// matches bit for bit (tested).
+#[cfg(test)]
 fn prepare_vector(
     x: &[f32],
     m: usize,
@@ -177,8 +214,8 @@ fn prepare_vector(
     }
 }
 
-/// A pointer that tasks writing disjoint elements may share.
-struct SyncPtr(*mut f32);
+/// A pointer that tasks writing disjoint elements may share (also `amx.rs`'s).
+pub(crate) struct SyncPtr(pub(crate) *mut f32);
 // SAFETY: used only for writes to disjoint elements (each task its own columns of y).
 unsafe impl Sync for SyncPtr {}
 
@@ -213,11 +250,7 @@ fn unpack_portable(src: &[u8], dst: &mut [i32]) {
 /// task fills a panel per tile and runs it against every token vector.
 #[cfg(target_arch = "x86_64")]
 fn run(ws: &[&QMatrix], x: &[f32], m: usize, ys: &mut [&mut [f32]]) {
-    let k = ws.first().map_or(0, |w| w.cols);
-    assert!(ws.len() == ys.len() && x.len() == m * k);
-    for (w, y) in ws.iter().zip(ys.iter()) {
-        assert!(shape_ok(w) && w.cols == k && y.len() == m * w.rows);
-    }
+    let k = check_shapes(ws, x, m, ys);
     if m == 0 {
         return;
     }
@@ -229,16 +262,7 @@ fn run(ws: &[&QMatrix], x: &[f32], m: usize, ys: &mut [&mut [f32]]) {
     let per_task = tiles
         .div_ceil(rayon::current_num_threads().max(1) * 16)
         .max(1);
-    // (matrix, first tile, end tile): runs of at most `per_task` tiles within one matrix
-    let mut tasks = Vec::new();
-    for (i, w) in ws.iter().enumerate() {
-        let n = w.rows.div_ceil(R);
-        tasks.extend(
-            (0..n)
-                .step_by(per_task)
-                .map(|t0| (i, t0, (t0 + per_task).min(n))),
-        );
-    }
+    let tasks = tile_runs(ws, R, per_task);
     tasks.into_par_iter().for_each_init(
         || Panel::new(acts.kbs),
         |panel, (i, t0, t1)| {
@@ -509,10 +533,6 @@ mod simd {
 mod tests {
     use super::*;
     #[cfg(target_arch = "x86_64")]
-    use crate::engine::quant::testutil::random_qmatrix;
-    #[cfg(target_arch = "x86_64")]
-    use crate::engine::weights::Dtype;
-    #[cfg(target_arch = "x86_64")]
     use rand::{Rng, SeedableRng};
 
     #[test]
@@ -619,37 +639,10 @@ mod tests {
         .into_iter()
         .enumerate()
         {
-            let dt = [Dtype::BF16, Dtype::F16, Dtype::F32][seed % 3];
-            let w = random_qmatrix(rows, k, 4, gs, dt, seed as u64 + 11);
-            let mut rng = rand::rngs::StdRng::seed_from_u64(seed as u64);
-            let mut x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2.0f32..2.0)).collect();
-            x[3] = 40.0;
-            x[k..k + KB.min(k)].fill(0.0);
-            x[m * k - 1] = -17.0;
+            let (w, x) = crate::engine::cpu::amx::test_case(seed, gs, m, k, rows);
             let mut got = vec![f32::NAN; m * rows];
             run(&[&w], &x, m, &mut [&mut got[..]]);
-            let want = w.matmul_reference(&x, m);
-            let max = want.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let wd = w.dequantize();
-            for t in 0..m {
-                for n in 0..rows {
-                    let mut bound = 1e-5 * max as f64;
-                    for kb in 0..k / KB {
-                        let blk = &x[t * k + kb * KB..][..KB];
-                        let d = blk.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 16383.0;
-                        let wsum: f64 = wd[n * k + kb * KB..][..KB]
-                            .iter()
-                            .map(|v| v.abs() as f64)
-                            .sum();
-                        bound += d / 2.0 * wsum;
-                    }
-                    let (g, r) = (got[t * rows + n], want[t * rows + n]);
-                    assert!(
-                        ((g - r).abs() as f64) <= bound,
-                        "gs {gs} m {m} k {k} rows {rows} token {t} row {n}: {g} vs {r}, bound {bound}"
-                    );
-                }
-            }
+            crate::engine::cpu::amx::assert_within_rounding(&w, &x, m, &got);
             let tiles = crate::engine::cpu::amx::soft_gemm(&w, &x, m);
             for (i, (a, b)) in got.iter().zip(&tiles).enumerate() {
                 assert_eq!(a.to_bits(), b.to_bits(), "gs {gs} m {m} k {k}: element {i}");
