@@ -130,7 +130,8 @@ impl Attention {
             head_dim: hd,
             eps: cfg.rms_norm_eps as f32,
             kv: KvCache::new(1, 256),
-            host_kv: HostKv::default(),
+            // `fast`/`int8` keep the CPU cache in f16: half the bytes a decode step streams
+            host_kv: HostKv::new(o.kernel != crate::engine::quant::Numerics::Exact),
             reference_path: false,
             q_norm_host: store.require(&format!("{p}.q_norm.weight"))?.to_f32_vec()?,
             k_norm_host: store.require(&format!("{p}.k_norm.weight"))?.to_f32_vec()?,

@@ -1,37 +1,80 @@
 //! The attention core on the CPU over plain slices: per-head q/k RMSNorm, half-split RoPE,
 //! a growing KV cache, causal softmax attention with grouped KV heads. The arithmetic of the
 //! candle-op path in `qwen3.rs` (which the GPU backends use and the tests compare against) but
-//! for the exp (the samplers' `exp_neg`, within 2 ulp), minus its per-op allocations and the
-//! KV copies a strided cache view costs every step.
+//! for the exp (the samplers' `exp_neg`, within 2 ulp) and, with the `fast` and `int8` kernels,
+//! keys and values stored as f16 (mlx_lm keeps them in the model's dtype, bf16 for MLX 4-bit
+//! models: f16 rounds 8x finer), minus its per-op allocations and the KV copies a strided cache
+//! view costs every step.
 
+use half::f16;
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use crate::engine::cpu::quant::dot;
 use crate::engine::cpu::team;
+
+/// A value of the KV cache: f32, or f16 for half the bytes. A decode step reads the whole
+/// cache of every layer (at the 0.6B shape 229 KB a position in f32: ~22 MB a token at 96
+/// positions, 6% of the 4-bit weights' bytes, and it grows with the context).
+pub trait KvElem: Copy + Default + Send + Sync + std::fmt::Debug + 'static {
+    /// f16 (converted with F16C on x86-64), else f32.
+    const HALF: bool;
+    /// `dst[i] = src[i]` rounded to this type (to nearest, ties to even).
+    fn store(src: &[f32], dst: &mut [Self]);
+    /// `dst[i] = src[i]` as f32 (exact).
+    fn load(src: &[Self], dst: &mut [f32]);
+}
+
+impl KvElem for f32 {
+    const HALF: bool = false;
+    fn store(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src)
+    }
+    fn load(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src)
+    }
+}
+
+impl KvElem for f16 {
+    const HALF: bool = true;
+    fn store(src: &[f32], dst: &mut [f16]) {
+        dst.convert_from_f32_slice(src)
+    }
+    fn load(src: &[f16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst)
+    }
+}
 
 /// Keys and values of the tokens seen so far, one (T, D) block per KV head: a head's attention
 /// then reads two contiguous streams. (Rows of `n_kv * head_dim` values put a head's
 /// consecutive positions 4 KiB apart at the 0.6B shape, one page each, where the hardware
 /// prefetcher stops. On a Zen 1 EPYC, 2 threads, a decode step's attention at 96 / 288 cached
 /// positions: 111-113 / 329-332 us a layer before, 93-97 / 246-250 with this layout.)
-#[derive(Debug, Default, Clone)]
-pub struct HostKv {
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+#[derive(Debug, Clone)]
+pub struct Heads<E> {
+    k: Vec<Vec<E>>,
+    v: Vec<Vec<E>>,
 }
 
-impl HostKv {
-    pub fn clear(&mut self) {
+impl<E> Default for Heads<E> {
+    fn default() -> Self {
+        Heads {
+            k: Vec::new(),
+            v: Vec::new(),
+        }
+    }
+}
+
+impl<E: KvElem> Heads<E> {
+    fn clear(&mut self) {
         self.k.iter_mut().chain(&mut self.v).for_each(Vec::clear);
     }
 
-    /// Cached positions.
-    pub fn positions(&self, head_dim: usize) -> usize {
+    fn positions(&self, head_dim: usize) -> usize {
         self.k.first().map_or(0, |k| k.len() / head_dim)
     }
 
-    /// Keeps the first `len` positions.
-    pub fn truncate(&mut self, len: usize, head_dim: usize) {
+    fn truncate(&mut self, len: usize, head_dim: usize) {
         self.k
             .iter_mut()
             .chain(&mut self.v)
@@ -45,9 +88,58 @@ impl HostKv {
         for (src, dst) in [(k, &mut self.k), (v, &mut self.v)] {
             for row in src.chunks_exact(n_kv * head_dim) {
                 for (g, head) in row.chunks_exact(head_dim).enumerate() {
-                    dst[g].extend_from_slice(head);
+                    let at = dst[g].len();
+                    dst[g].resize(at + head_dim, E::default());
+                    E::store(head, &mut dst[g][at..]);
                 }
             }
+        }
+    }
+}
+
+/// The cache of one layer, in f32 (`exact`) or f16 (`fast`, `int8`).
+#[derive(Debug, Clone)]
+pub enum HostKv {
+    F32(Heads<f32>),
+    F16(Heads<f16>),
+}
+
+impl Default for HostKv {
+    fn default() -> Self {
+        HostKv::F32(Heads::default())
+    }
+}
+
+impl HostKv {
+    /// An empty cache storing f16 (`half`) or f32.
+    pub fn new(half: bool) -> Self {
+        if half {
+            HostKv::F16(Heads::default())
+        } else {
+            HostKv::F32(Heads::default())
+        }
+    }
+
+    pub fn clear(&mut self) {
+        match self {
+            HostKv::F32(h) => h.clear(),
+            HostKv::F16(h) => h.clear(),
+        }
+    }
+
+    /// Cached positions.
+    pub fn positions(&self, head_dim: usize) -> usize {
+        match self {
+            HostKv::F32(h) => h.positions(head_dim),
+            HostKv::F16(h) => h.positions(head_dim),
+        }
+    }
+
+    /// Keeps the first `len` positions.
+    pub fn truncate(&mut self, len: usize, head_dim: usize) {
+        match self {
+            HostKv::F32(h) => h.truncate(len, head_dim),
+            HostKv::F16(h) => h.truncate(len, head_dim),
         }
     }
 }
@@ -124,20 +216,32 @@ pub fn attend(
     sin: &[f32],
     kv: &mut HostKv,
 ) -> Vec<f32> {
-    let simd = crate::engine::cpu::isa::active().avx2();
     // with more threads than KV heads, a task a query head (each reads its K and V rows)
     let per_task = if rayon::current_num_threads() > d.n_kv {
         1
     } else {
         d.n_heads / d.n_kv
     };
-    attend_with(d, q, k, v, q_norm, k_norm, cos, sin, kv, simd, per_task)
+    #[cfg(target_arch = "x86_64")]
+    let simd = |half: bool| {
+        crate::engine::cpu::isa::active().avx2()
+            && (!half || std::arch::is_x86_feature_detected!("f16c"))
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let simd = |_half: bool| false;
+    match kv {
+        HostKv::F32(h) => {
+            attend_with(d, q, k, v, q_norm, k_norm, cos, sin, h, simd(false), per_task)
+        }
+        HostKv::F16(h) => attend_with(d, q, k, v, q_norm, k_norm, cos, sin, h, simd(true), per_task),
+    }
 }
 
-/// `attend` with the AVX2 + FMA kernels (`simd`, x86-64 only: the caller has checked the CPU)
-/// or the portable loops, `per_task` query heads a task (a divisor of the heads a KV head has).
+/// `attend` with the AVX2 + FMA (+ F16C) kernels (`simd`, x86-64 only: the caller has checked
+/// the CPU) or the portable loops, `per_task` query heads a task (a divisor of the heads a KV
+/// head has).
 #[allow(clippy::too_many_arguments)]
-fn attend_with(
+fn attend_with<E: KvElem>(
     d: &Dims,
     mut q: Vec<f32>,
     mut k: Vec<f32>,
@@ -146,7 +250,7 @@ fn attend_with(
     k_norm: &[f32],
     cos: &[f32],
     sin: &[f32],
-    kv: &mut HostKv,
+    kv: &mut Heads<E>,
     simd: bool,
     per_task: usize,
 ) -> Vec<f32> {
@@ -166,8 +270,8 @@ fn attend_with(
     let group = |h0: usize| {
         let grp = Group {
             q: &q,
-            kv,
-            g: h0 / rep,
+            keys: &kv.k[h0 / rep],
+            values: &kv.v[h0 / rep],
             h0,
             rep: per_task,
             nh,
@@ -205,10 +309,10 @@ fn attend_with(
 /// Causal attention of `rep` query heads from `h0` on, which share KV head `g`, over the
 /// cache: (rep, L, D) outputs. Each head's arithmetic is that of a head alone (same sums in
 /// the same order); the heads only share the walk over the cached rows.
-struct Group<'a> {
+struct Group<'a, E> {
     q: &'a [f32],
-    kv: &'a HostKv,
-    g: usize,
+    keys: &'a [E],
+    values: &'a [E],
     h0: usize,
     rep: usize,
     nh: usize,
@@ -218,21 +322,31 @@ struct Group<'a> {
     scale: f32,
 }
 
-impl Group<'_> {
+impl<E: KvElem> Group<'_, E> {
     /// `run` with AVX2 + FMA intrinsics (`hd` a multiple of 8). The portable loops leave the
     /// compiler one dependent chain per dot product (strict f32 order: no reassociation, no
     /// FMA contraction), so a q·k dot waits on 16 adds in a row, and P·V keeps its sums in
     /// memory. Here four keys' dots run as four independent chains that share each load of q,
     /// and P·V holds 64 output values in registers across all positions. The sums are the
-    /// same terms in another order (FMA-rounded).
+    /// same terms in another order (FMA-rounded). f16 values are widened in registers (F16C).
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn run_avx2(&self) -> Vec<f32> {
         use std::arch::x86_64::*;
+        // eight cached values from `p` as f32
+        macro_rules! load8 {
+            ($p:expr) => {
+                if E::HALF {
+                    _mm256_cvtph_ps(_mm_loadu_si128($p as *const __m128i))
+                } else {
+                    _mm256_loadu_ps($p as *const f32)
+                }
+            };
+        }
         let Group {
             q,
-            kv,
-            g,
+            keys,
+            values,
             h0,
             rep,
             nh,
@@ -242,7 +356,6 @@ impl Group<'_> {
             scale,
         } = *self;
         debug_assert_eq!(hd % 8, 0);
-        let (keys, values) = (&kv.k[g], &kv.v[g]);
         let mut o = vec![0f32; rep * l * hd];
         let t_max = offset + l;
         let mut probs = vec![0f32; rep * t_max];
@@ -263,10 +376,10 @@ impl Group<'_> {
                     );
                     for d in (0..hd).step_by(8) {
                         let qv = _mm256_loadu_ps(qp.add(d));
-                        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0.add(d)), a0);
-                        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0.add(hd + d)), a1);
-                        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0.add(2 * hd + d)), a2);
-                        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0.add(3 * hd + d)), a3);
+                        a0 = _mm256_fmadd_ps(qv, load8!(k0.add(d)), a0);
+                        a1 = _mm256_fmadd_ps(qv, load8!(k0.add(hd + d)), a1);
+                        a2 = _mm256_fmadd_ps(qv, load8!(k0.add(2 * hd + d)), a2);
+                        a3 = _mm256_fmadd_ps(qv, load8!(k0.add(3 * hd + d)), a3);
                     }
                     // lanes (a0 0..3, a1 0..3, a2 0..3, a3 0..3 | the same of 4..7), then halves
                     let h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -283,7 +396,7 @@ impl Group<'_> {
                     for d in (0..hd).step_by(8) {
                         a = _mm256_fmadd_ps(
                             _mm256_loadu_ps(qp.add(d)),
-                            _mm256_loadu_ps(kt.add(d)),
+                            load8!(kt.add(d)),
                             a,
                         );
                     }
@@ -298,7 +411,7 @@ impl Group<'_> {
                     for (tt, &p) in sr.iter().enumerate() {
                         let (pv, vt) = (_mm256_set1_ps(p), vp.add(tt * hd + d0));
                         for (j, a) in acc.iter_mut().enumerate() {
-                            *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt.add(8 * j)), *a);
+                            *a = _mm256_fmadd_ps(pv, load8!(vt.add(8 * j)), *a);
                         }
                     }
                     for (j, a) in acc.iter().enumerate() {
@@ -311,7 +424,7 @@ impl Group<'_> {
                     for (tt, &p) in sr.iter().enumerate() {
                         a = _mm256_fmadd_ps(
                             _mm256_set1_ps(p),
-                            _mm256_loadu_ps(vp.add(tt * hd + d0)),
+                            load8!(vp.add(tt * hd + d0)),
                             a,
                         );
                     }
@@ -327,8 +440,8 @@ impl Group<'_> {
     fn run(&self) -> Vec<f32> {
         let Group {
             q,
-            kv,
-            g,
+            keys,
+            values,
             h0,
             rep,
             nh,
@@ -337,10 +450,10 @@ impl Group<'_> {
             offset,
             scale,
         } = *self;
-        let (keys, values) = (&kv.k[g], &kv.v[g]);
         let mut o = vec![0f32; rep * l * hd];
         let t_max = offset + l;
         let mut scores = vec![0f32; rep * t_max];
+        let mut row = vec![0f32; hd];
         for i in 0..l {
             let visible = offset + i + 1; // causal: positions 0..=offset+i
             let qh = |r: usize| {
@@ -348,18 +461,20 @@ impl Group<'_> {
                 &q[(i * nh + h) * hd..(i * nh + h + 1) * hd]
             };
             for (t, kt) in keys.chunks_exact(hd).take(visible).enumerate() {
+                E::load(kt, &mut row);
                 for r in 0..rep {
-                    scores[r * t_max + t] = dot(qh(r), kt) * scale;
+                    scores[r * t_max + t] = dot(qh(r), &row) * scale;
                 }
             }
             for r in 0..rep {
                 softmax(&mut scores[r * t_max..r * t_max + visible]);
             }
             for (t, vt) in values.chunks_exact(hd).take(visible).enumerate() {
+                E::load(vt, &mut row);
                 for r in 0..rep {
                     let p = scores[r * t_max + t];
                     let oi = &mut o[(r * l + i) * hd..(r * l + i + 1) * hd];
-                    for (a, b) in oi.iter_mut().zip(vt) {
+                    for (a, b) in oi.iter_mut().zip(&row) {
                         *a += p * b;
                     }
                 }
@@ -450,14 +565,32 @@ mod tests {
         if !simd {
             eprintln!("attention: no AVX2 + FMA here, the portable loops only");
         }
-        for (hd, simd) in [(64, false), (64, simd), (32, simd), (128, simd), (72, simd)] {
+        #[cfg(target_arch = "x86_64")]
+        let simd_half = simd && is_x86_feature_detected!("f16c");
+        #[cfg(not(target_arch = "x86_64"))]
+        let simd_half = false;
+        for (hd, simd, simd_half) in [
+            (64, false, false),
+            (64, simd, simd_half),
+            (32, simd, simd_half),
+            (128, simd, simd_half),
+            (72, simd, simd_half),
+        ] {
             for one_head_a_task in [false, true] {
-                grouped_heads_at(hd, simd, one_head_a_task);
+                grouped_heads_at::<f32>(hd, simd, one_head_a_task);
+                grouped_heads_at::<f16>(hd, simd_half, one_head_a_task);
             }
         }
     }
 
-    fn grouped_heads_at(hd: usize, simd: bool, one_head_a_task: bool) {
+    /// The f16 cache's keys and values are the f32 ones rounded to f16, and then the same
+    /// arithmetic: its outputs are held to the reference on those rounded inputs.
+    fn grouped_heads_at<E: KvElem>(hd: usize, simd: bool, one_head_a_task: bool) {
+        let round = |x: &mut [f32]| {
+            if E::HALF {
+                x.iter_mut().for_each(|v| *v = f16::from_f32(*v).to_f32());
+            }
+        };
         let norm = |x: &mut [f32]| {
             for h in x.chunks_exact_mut(hd) {
                 let r = 1.0 / (h.iter().map(|v| v * v).sum::<f32>() / hd as f32 + 1e-6).sqrt();
@@ -481,7 +614,7 @@ mod tests {
                     .map(|i| (((i * 31 + seed * 17) % 97) as f32 - 48.0) / 20.0)
                     .collect()
             };
-            let mut kv = HostKv::default();
+            let mut kv = Heads::<E>::default();
             let (mut keys, mut values) = (Vec::new(), Vec::new());
             for (step, l) in [5usize, 1, 1, 3].into_iter().enumerate() {
                 if step == 3 {
@@ -508,11 +641,13 @@ mod tests {
                     simd,
                     if one_head_a_task { 1 } else { nh / nkv },
                 );
-                let (mut qn, mut kn) = (q, k);
+                let (mut qn, mut kn, mut vn) = (q, k, v);
                 norm(&mut qn);
                 norm(&mut kn);
+                round(&mut kn);
+                round(&mut vn);
                 keys.extend_from_slice(&kn);
-                values.extend_from_slice(&v);
+                values.extend_from_slice(&vn);
                 let want = reference(&qn, &keys, &values, nh, nkv, hd, l, offset);
                 let err = got
                     .iter()
@@ -520,8 +655,9 @@ mod tests {
                     .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
                 assert!(
                     err <= 1e-5,
-                    "hd {hd} simd {simd} one head a task {one_head_a_task} heads {nh}/{nkv} \
-                     step {step}: max |Δ| {err}"
+                    "hd {hd} simd {simd} f16 {} one head a task {one_head_a_task} heads \
+                     {nh}/{nkv} step {step}: max |Δ| {err}",
+                    E::HALF
                 );
                 assert_eq!(kv.positions(hd), offset + l);
             }

@@ -306,9 +306,11 @@ pub enum Numerics {
     #[default]
     Exact,
     /// 15-bit integer activations per 32 values, integer dot products (4-bit weights; AVX2 on
-    /// the CPU, dp2a on CUDA; other cases compute as `exact`), fp16 prompt tiles on CUDA
+    /// the CPU, dp2a on CUDA; other cases compute as `exact`), fp16 prompt tiles on CUDA, the
+    /// CPU's KV cache in f16
     Fast,
-    /// 8-bit integer activations (4-bit weights, CPU): fastest, least exact
+    /// 8-bit integer activations (4-bit weights, CPU), the CPU's KV cache in f16: fastest,
+    /// least exact
     Int8,
 }
 
