@@ -439,8 +439,8 @@ impl<E: KvElem> Group<'_, E> {
                 let sa = &mut sa[r * t_max..][..visible];
                 let sb = &mut sb[..if pair { visible } else { 0 }];
                 scores2::<E>(qa, qb, kp, hd, visible, scale, sa, sb, pair);
-                softmax(sa);
-                softmax(sb);
+                softmax_avx2(sa);
+                softmax_avx2(sb);
                 let oa = o[(r * l + i) * hd..].as_mut_ptr();
                 let ob = if pair {
                     o[((r + 1) * l + i) * hd..].as_mut_ptr()
@@ -669,6 +669,48 @@ unsafe fn pv_block<E: KvElem, const W: usize>(
         if pair {
             _mm256_storeu_ps(ob.add(d0 + 8 * j), b[j]);
         }
+    }
+}
+
+/// `softmax` eight lanes at a time, with the samplers' `exp_neg` in AVX2 (the same bits as the
+/// scalar one); the sum is taken in eight lanes. A prompt of 64 tokens computes ~33k of these
+/// exps a layer at the 0.6B shape, a decode step at 190 positions ~3k.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn softmax_avx2(s: &mut [f32]) {
+    use crate::engine::cpu::sample::avx2::exp_neg8;
+    use std::arch::x86_64::*;
+    let n = s.len();
+    let p = s.as_mut_ptr();
+    let whole = n & !7;
+    let mut mv = _mm256_set1_ps(f32::NEG_INFINITY);
+    for i in (0..whole).step_by(8) {
+        mv = _mm256_max_ps(mv, _mm256_loadu_ps(p.add(i)));
+    }
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), mv);
+    let max = lanes
+        .iter()
+        .chain(&s[whole..])
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let (m8, mut sv) = (_mm256_set1_ps(max), _mm256_setzero_ps());
+    for i in (0..whole).step_by(8) {
+        let e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), m8));
+        _mm256_storeu_ps(p.add(i), e);
+        sv = _mm256_add_ps(sv, e);
+    }
+    let mut sum = hsum256(sv);
+    for v in &mut s[whole..] {
+        *v = crate::engine::sample::exp_neg(*v - max);
+        sum += *v;
+    }
+    let d = _mm256_set1_ps(sum);
+    for i in (0..whole).step_by(8) {
+        _mm256_storeu_ps(p.add(i), _mm256_div_ps(_mm256_loadu_ps(p.add(i)), d));
+    }
+    for v in &mut s[whole..] {
+        *v /= sum;
     }
 }
 
