@@ -28,6 +28,7 @@
 
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 use rayon::prelude::*;
@@ -56,7 +57,7 @@ fn shape_ok(w: &QMatrix) -> bool {
 pub fn qgemm(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32]) {
     assert!(usable(w), "amx::qgemm without AMX");
     #[cfg(target_arch = "x86_64")]
-    run(&[w], x, m, &mut [y], |ctx, p0, p1| {
+    run(&[w], x, m, &mut [vnni::as_uninit(y)], |ctx, p0, p1| {
         // SAFETY: `usable` holds: the CPU has AMX-INT8 and AVX-512, and Linux granted the
         // tile state to this process.
         unsafe { hw::task(ctx, p0, p1) }
@@ -303,7 +304,7 @@ fn run(
     ws: &[&QMatrix],
     x: &[f32],
     m: usize,
-    ys: &mut [&mut [f32]],
+    ys: &mut [&mut [MaybeUninit<f32>]],
     task: impl Fn(&Ctx, usize, usize) + Sync,
 ) {
     let k = vnni::check_shapes(ws, x, m, ys);
@@ -318,7 +319,7 @@ fn run(
             w,
             acts: &acts,
             m,
-            out: SyncPtr(y.as_mut_ptr()),
+            out: SyncPtr(y.as_mut_ptr().cast()),
         })
         .collect();
     let tiles: usize = ws.iter().map(|w| w.rows.div_ceil(NT)).sum();
@@ -656,9 +657,13 @@ mod hw {
 #[cfg(test)]
 pub(crate) fn soft_gemm(w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
     let mut y = vec![f32::NAN; m * w.rows];
-    run(&[w], x, m, &mut [&mut y[..]], |ctx, p0, p1| {
-        task_body(&mut Soft::new(), ctx, p0, p1)
-    });
+    run(
+        &[w],
+        x,
+        m,
+        &mut [vnni::as_uninit(&mut y[..])],
+        |ctx, p0, p1| task_body(&mut Soft::new(), ctx, p0, p1),
+    );
     y
 }
 
@@ -769,9 +774,13 @@ mod tests {
             if hw {
                 let mut on_hw = vec![f32::NAN; m * rows];
                 // SAFETY: AMX (with AVX-512) is supported and granted here.
-                run(&[&w], &x, m, &mut [&mut on_hw[..]], |ctx, p0, p1| unsafe {
-                    hw::task(ctx, p0, p1)
-                });
+                run(
+                    &[&w],
+                    &x,
+                    m,
+                    &mut [vnni::as_uninit(&mut on_hw[..])],
+                    |ctx, p0, p1| unsafe { hw::task(ctx, p0, p1) },
+                );
                 // (no FMA contraction in Rust: the AVX-512 build of the f32 steps rounds alike)
                 for (i, (a, b)) in on_hw.iter().zip(&got).enumerate() {
                     assert_eq!(a.to_bits(), b.to_bits(), "gs {gs} m {m} k {k}: element {i}");

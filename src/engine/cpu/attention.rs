@@ -334,11 +334,10 @@ fn attend_with<E: KvElem>(
     kv.append(&k, v, nkv, hd);
     let scale = (hd as f32).powf(-0.5);
     let rep = nh / nkv;
-    let mut out = vec![0f32; l * nh * hd];
     // a task per KV head, for the query heads that share it, reads their K and V rows once
     // (with the layout above: 93-97 -> 79-84 us a layer at 96 positions, the measure of
-    // `HostKv`); with `per_task` < `rep` they are read once a task. A task's rows of `out`
-    // are strided, so collect then scatter
+    // `HostKv`); with `per_task` < `rep` they are read once a task. A task's rows of the
+    // output are strided, so collect, then gather
     let group = |h0: usize| {
         let grp = Group {
             q: &q,
@@ -366,13 +365,12 @@ fn attend_with<E: KvElem>(
         .map(|h0| (h0, Vec::new()))
         .collect();
     team::for_each_mut(&mut per_group, |(h0, o)| *o = group(*h0));
-    for (h0, o) in &per_group {
-        for r in 0..per_task {
-            let h = h0 + r;
-            for i in 0..l {
-                out[(i * nh + h) * hd..(i * nh + h + 1) * hd]
-                    .copy_from_slice(&o[(r * l + i) * hd..(r * l + i + 1) * hd]);
-            }
+    // (L, Hq*D) in order: built by appending, not cleared and then overwritten
+    let mut out = Vec::with_capacity(l * nh * hd);
+    for i in 0..l {
+        for h in 0..nh {
+            let (o, r) = (&per_group[h / per_task].1, h % per_task);
+            out.extend_from_slice(&o[(r * l + i) * hd..][..hd]);
         }
     }
     out

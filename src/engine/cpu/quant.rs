@@ -504,6 +504,19 @@ fn int_ok(w: &QMatrix, isa: Isa) -> bool {
         && isa != Isa::Scalar
 }
 
+/// `qmatmul` into a new vector. The prompt GEMMs that write every output (`fast` on AMX or
+/// AVX-512 VNNI) get it without clearing it first (`vnni::shared_outputs`); others a zeroed one.
+pub fn qmatmul_vec(w: &QMatrix, x: &[f32], m: usize, kernel: Numerics) -> Vec<f32> {
+    if m >= GEMM_MIN_ROWS {
+        if let Some(y) = qmatmul_shared(&[w], x, m, kernel).and_then(|mut ys| ys.pop()) {
+            return y;
+        }
+    }
+    let mut y = vec![0f32; m * w.rows];
+    qmatmul(w, x, m, &mut y, kernel);
+    y
+}
+
 /// `qmatmul` of `m` rows against several matrices of the same input (q|k|v, gate|up), where a
 /// shared path exists: a decode row (`qmatvec_shared`), or a `fast` prompt on AMX or AVX-512
 /// VNNI (`amx`/`vnni::qgemm_shared`: the activations laid out once, one parallel region). Same

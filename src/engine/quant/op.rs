@@ -47,8 +47,7 @@ impl CustomOp1 for QMatMul {
         };
         let x = &data[o0..o1];
         let m = x.len() / k;
-        let mut y = vec![0f32; m * self.w.rows];
-        cpu::quant::qmatmul(&self.w, x, m, &mut y, self.kernel);
+        let y = cpu::quant::qmatmul_vec(&self.w, x, m, self.kernel);
         let mut out = dims.to_vec();
         *out.last_mut().unwrap_or(&mut 0) = self.w.rows;
         Ok((CpuStorage::F32(y), Shape::from(out)))
