@@ -514,6 +514,7 @@ fn softmax(s: &mut [f32]) {
 }
 
 /// Rows this far ahead of the one in use are prefetched (4 KiB of f16 rows at head dim 128).
+#[cfg(target_arch = "x86_64")]
 const AHEAD: usize = 16;
 
 /// Prefetches `n` values from `p` to L2, one hint a cache line. Addresses past the cache are

@@ -25,9 +25,9 @@
 
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
-#[cfg(target_arch = "x86_64")]
 use std::mem::MaybeUninit;
 
+#[cfg(target_arch = "x86_64")]
 use rayon::prelude::*;
 
 use crate::engine::cpu::isa::{self, Isa};
