@@ -436,7 +436,11 @@ impl<E: KvElem> Group<'_, E> {
                 let (sa, sb) = probs.split_at_mut((r + 1) * t_max);
                 let sa = &mut sa[r * t_max..][..visible];
                 let sb = &mut sb[..if pair { visible } else { 0 }];
-                scores2::<E>(qa, qb, kp, hd, visible, scale, sa, sb, pair);
+                if pair {
+                    scores2::<E, true>(qa, qb, kp, hd, visible, scale, sa, sb);
+                } else {
+                    scores2::<E, false>(qa, qb, kp, hd, visible, scale, sa, sb);
+                }
                 softmax_avx2(sa);
                 softmax_avx2(sb);
                 let oa = o[(r * l + i) * hd..].as_mut_ptr();
@@ -445,7 +449,11 @@ impl<E: KvElem> Group<'_, E> {
                 } else {
                     oa
                 };
-                pv2::<E>(sa, if pair { sb } else { sa }, vp, hd, oa, ob, pair);
+                if pair {
+                    pv2::<E, true>(sa, sb, vp, hd, oa, ob);
+                } else {
+                    pv2::<E, false>(sa, sa, vp, hd, oa, ob);
+                }
                 r += 2;
             }
         }
@@ -543,13 +551,13 @@ unsafe fn load8<E: KvElem>(p: *const E) -> std::arch::x86_64::__m256 {
     }
 }
 
-/// `sa[t] = scale · qa·k_t` and, with `pair`, `sb[t] = scale · qb·k_t`, for `t < visible`:
-/// four keys at a time, each key's eight-value slices loaded once for both heads.
+/// `sa[t] = scale · qa·k_t` and, with `P` (a pair), `sb[t] = scale · qb·k_t`, for `t <
+/// visible`: four keys at a time, each key's eight-value slices loaded once for both heads.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 #[allow(clippy::too_many_arguments)]
-unsafe fn scores2<E: KvElem>(
+unsafe fn scores2<E: KvElem, const P: bool>(
     qa: *const f32,
     qb: *const f32,
     kp: *const E,
@@ -558,7 +566,6 @@ unsafe fn scores2<E: KvElem>(
     scale: f32,
     sa: &mut [f32],
     sb: &mut [f32],
-    pair: bool,
 ) {
     use std::arch::x86_64::*;
     let mut t = 0;
@@ -571,11 +578,13 @@ unsafe fn scores2<E: KvElem>(
             for j in 0..4 {
                 let k = load8(k0.add(j * hd + d));
                 a[j] = _mm256_fmadd_ps(x, k, a[j]);
-                b[j] = _mm256_fmadd_ps(y, k, b[j]);
+                if P {
+                    b[j] = _mm256_fmadd_ps(y, k, b[j]);
+                }
             }
         }
         _mm_storeu_ps(sa[t..t + 4].as_mut_ptr(), sum4(a, scale));
-        if pair {
+        if P {
             _mm_storeu_ps(sb[t..t + 4].as_mut_ptr(), sum4(b, scale));
         }
         t += 4;
@@ -586,10 +595,12 @@ unsafe fn scores2<E: KvElem>(
         for d in (0..hd).step_by(8) {
             let k = load8(kt.add(d));
             a = _mm256_fmadd_ps(_mm256_loadu_ps(qa.add(d)), k, a);
-            b = _mm256_fmadd_ps(_mm256_loadu_ps(qb.add(d)), k, b);
+            if P {
+                b = _mm256_fmadd_ps(_mm256_loadu_ps(qb.add(d)), k, b);
+            }
         }
         sa[t] = hsum256(a) * scale;
-        if pair {
+        if P {
             sb[t] = hsum256(b) * scale;
         }
     }
@@ -609,28 +620,35 @@ unsafe fn sum4(a: [std::arch::x86_64::__m256; 4], scale: f32) -> std::arch::x86_
     )
 }
 
-/// `oa = Σ_t pa[t]·v_t` and, with `pair`, `ob = Σ_t pb[t]·v_t` (`hd` values each, over the
-/// positions of `pa`): 32 values of each at a time held in registers, each value row's
-/// slice loaded once for both heads.
+/// `oa = Σ_t pa[t]·v_t` and, with `P` (a pair), `ob = Σ_t pb[t]·v_t` (`hd` values each, over
+/// the positions of `pa`): 32 values of each head at a time held in registers (64 of one head
+/// alone: eight independent FMA chains either way), each value row's slice loaded once for
+/// both heads.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn pv2<E: KvElem>(
+unsafe fn pv2<E: KvElem, const P: bool>(
     pa: &[f32],
     pb: &[f32],
     vp: *const E,
     hd: usize,
     oa: *mut f32,
     ob: *mut f32,
-    pair: bool,
 ) {
     let mut d0 = 0;
-    while d0 + 32 <= hd {
-        pv_block::<E, 4>(pa, pb, vp, hd, d0, oa, ob, pair);
-        d0 += 32;
+    if P {
+        while d0 + 32 <= hd {
+            pv_block::<E, P, 4>(pa, pb, vp, hd, d0, oa, ob);
+            d0 += 32;
+        }
+    } else {
+        while d0 + 64 <= hd {
+            pv_block::<E, P, 8>(pa, pb, vp, hd, d0, oa, ob);
+            d0 += 64;
+        }
     }
     while d0 < hd {
-        pv_block::<E, 1>(pa, pb, vp, hd, d0, oa, ob, pair);
+        pv_block::<E, P, 1>(pa, pb, vp, hd, d0, oa, ob);
         d0 += 8;
     }
 }
@@ -640,7 +658,7 @@ unsafe fn pv2<E: KvElem>(
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 #[allow(clippy::too_many_arguments)]
-unsafe fn pv_block<E: KvElem, const W: usize>(
+unsafe fn pv_block<E: KvElem, const P: bool, const W: usize>(
     pa: &[f32],
     pb: &[f32],
     vp: *const E,
@@ -648,7 +666,6 @@ unsafe fn pv_block<E: KvElem, const W: usize>(
     d0: usize,
     oa: *mut f32,
     ob: *mut f32,
-    pair: bool,
 ) {
     use std::arch::x86_64::*;
     let (mut a, mut b) = ([_mm256_setzero_ps(); W], [_mm256_setzero_ps(); W]);
@@ -660,12 +677,14 @@ unsafe fn pv_block<E: KvElem, const W: usize>(
         for j in 0..W {
             let v = load8(vt.add(8 * j));
             a[j] = _mm256_fmadd_ps(x, v, a[j]);
-            b[j] = _mm256_fmadd_ps(y, v, b[j]);
+            if P {
+                b[j] = _mm256_fmadd_ps(y, v, b[j]);
+            }
         }
     }
     for j in 0..W {
         _mm256_storeu_ps(oa.add(d0 + 8 * j), a[j]);
-        if pair {
+        if P {
             _mm256_storeu_ps(ob.add(d0 + 8 * j), b[j]);
         }
     }
