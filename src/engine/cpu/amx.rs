@@ -57,11 +57,18 @@ fn shape_ok(w: &QMatrix) -> bool {
 pub fn qgemm(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32]) {
     assert!(usable(w), "amx::qgemm without AMX");
     #[cfg(target_arch = "x86_64")]
-    run(&[w], x, m, &mut [vnni::as_uninit(y)], |ctx, p0, p1| {
-        // SAFETY: `usable` holds: the CPU has AMX-INT8 and AVX-512, and Linux granted the
-        // tile state to this process.
-        unsafe { hw::task(ctx, p0, p1) }
-    });
+    // SAFETY (as_uninit): the kernel stores only computed f32 sums.
+    run(
+        &[w],
+        x,
+        m,
+        &mut [unsafe { vnni::as_uninit(y) }],
+        |ctx, p0, p1| {
+            // SAFETY: `usable` holds: the CPU has AMX-INT8 and AVX-512, and Linux granted the
+            // tile state to this process.
+            unsafe { hw::task(ctx, p0, p1) }
+        },
+    );
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (x, m, y);
 }
@@ -74,8 +81,10 @@ pub fn qgemm_shared(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
         "amx::qgemm_shared without AMX"
     );
     vnni::shared_outputs(ws, m, |_outs| {
+        // `usable` (asserted above) is never true off x86-64, and `shared_outputs` must not
+        // see its outputs unwritten
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = x;
+        unreachable!("amx::qgemm_shared off x86-64 ({} values)", x.len());
         #[cfg(target_arch = "x86_64")]
         run(ws, x, m, _outs, |ctx, p0, p1| {
             // SAFETY: as in `qgemm`.
@@ -661,7 +670,8 @@ pub(crate) fn soft_gemm(w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
         &[w],
         x,
         m,
-        &mut [vnni::as_uninit(&mut y[..])],
+        // SAFETY: the kernel stores only computed f32 sums.
+        &mut [unsafe { vnni::as_uninit(&mut y[..]) }],
         |ctx, p0, p1| task_body(&mut Soft::new(), ctx, p0, p1),
     );
     y
@@ -778,7 +788,8 @@ mod tests {
                     &[&w],
                     &x,
                     m,
-                    &mut [vnni::as_uninit(&mut on_hw[..])],
+                    // SAFETY: the kernel stores only computed f32 sums.
+                    &mut [unsafe { vnni::as_uninit(&mut on_hw[..]) }],
                     |ctx, p0, p1| unsafe { hw::task(ctx, p0, p1) },
                 );
                 // (no FMA contraction in Rust: the AVX-512 build of the f32 steps rounds alike)

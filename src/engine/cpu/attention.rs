@@ -35,10 +35,21 @@ impl KvElem for f32 {
     }
 }
 
+/// f16's largest finite value.
+const F16_MAX: f32 = 65504.0;
+
 impl KvElem for f16 {
     const HALF: bool = true;
+    /// Saturating: a value past f16's range is stored as ±65504, not as an infinity that would
+    /// turn the softmax and the output into NaN (keys are RMS-normalized, values are not).
     fn store(src: &[f32], dst: &mut [f16]) {
-        dst.convert_from_f32_slice(src)
+        let mut buf = [0f32; 64];
+        for (s, d) in src.chunks(64).zip(dst.chunks_mut(64)) {
+            for (b, &v) in buf.iter_mut().zip(s) {
+                *b = v.clamp(-F16_MAX, F16_MAX);
+            }
+            d.convert_from_f32_slice(&buf[..s.len()]);
+        }
     }
     fn load(src: &[f16], dst: &mut [f32]) {
         src.convert_to_f32_slice(dst)
@@ -272,40 +283,16 @@ pub fn attend(
     } else {
         d.n_heads / d.n_kv
     };
+    // the AVX2 kernels are compiled with F16C for both caches (every AVX2 CPU has it, but a
+    // VM may hide it)
     #[cfg(target_arch = "x86_64")]
-    let simd = |half: bool| {
-        crate::engine::cpu::isa::active().avx2()
-            && (!half || std::arch::is_x86_feature_detected!("f16c"))
-    };
+    let simd =
+        crate::engine::cpu::isa::active().avx2() && std::arch::is_x86_feature_detected!("f16c");
     #[cfg(not(target_arch = "x86_64"))]
-    let simd = |_half: bool| false;
+    let simd = false;
     match kv {
-        HostKv::F32(h) => attend_with(
-            d,
-            q,
-            k,
-            v,
-            q_norm,
-            k_norm,
-            cos,
-            sin,
-            h,
-            simd(false),
-            per_task,
-        ),
-        HostKv::F16(h) => attend_with(
-            d,
-            q,
-            k,
-            v,
-            q_norm,
-            k_norm,
-            cos,
-            sin,
-            h,
-            simd(true),
-            per_task,
-        ),
+        HostKv::F32(h) => attend_with(d, q, k, v, q_norm, k_norm, cos, sin, h, simd, per_task),
+        HostKv::F16(h) => attend_with(d, q, k, v, q_norm, k_norm, cos, sin, h, simd, per_task),
     }
 }
 
@@ -398,8 +385,9 @@ impl<E: KvElem> Group<'_, E> {
     /// FMA contraction), so a q·k dot waits on 16 adds in a row, and P·V keeps its sums in
     /// memory. Here the query heads go two at a time: each key and value row loaded (and
     /// widened from f16, F16C) serves both, four keys' dots run as eight independent chains,
-    /// and P·V holds 32 output values of each head in registers across all positions. The
-    /// sums are the same terms in another order (FMA-rounded).
+    /// and P·V holds 32 output values of each head in registers across all positions (a head
+    /// alone: four chains, and 64 values). The sums are the same terms in another order
+    /// (FMA-rounded).
     ///
     /// At decode the cache comes from memory (the weights streamed since evicted it) as a few
     /// short streams a task, each 4 KiB page of which the hardware prefetcher learns anew:
@@ -424,7 +412,7 @@ impl<E: KvElem> Group<'_, E> {
         let t_max = offset + l;
         let mut o = vec![0f32; rep * l * hd];
         let mut probs = vec![0f32; rep * t_max];
-        let (kp, vp) = (keys.as_ptr(), values.as_ptr());
+        let (kp, vp, op) = (keys.as_ptr(), values.as_ptr(), o.as_mut_ptr());
         for i in 0..l {
             let visible = offset + i + 1;
             let mut r = 0;
@@ -443,9 +431,11 @@ impl<E: KvElem> Group<'_, E> {
                 }
                 softmax_avx2(sa);
                 softmax_avx2(sb);
-                let oa = o[(r * l + i) * hd..].as_mut_ptr();
+                // both from the one pointer: a second `as_mut_ptr` through the slice would
+                // reborrow the buffer and invalidate the first (stacked borrows)
+                let oa = op.add((r * l + i) * hd);
                 let ob = if pair {
-                    o[((r + 1) * l + i) * hd..].as_mut_ptr()
+                    op.add(((r + 1) * l + i) * hd)
                 } else {
                     oa
                 };
@@ -787,6 +777,20 @@ mod tests {
         out
     }
 
+    /// The f16 cache saturates values past f16's range instead of storing infinities; NaN
+    /// stays NaN, and values in range round to nearest.
+    #[test]
+    fn f16_cache_saturates() {
+        let src = [1e6f32, -7e4, 65504.0, 1.0 / 3.0, f32::NAN, -0.0];
+        let mut dst = [f16::ZERO; 6];
+        <f16 as KvElem>::store(&src, &mut dst);
+        let back: Vec<f32> = dst.iter().map(|h| h.to_f32()).collect();
+        assert_eq!(&back[..3], &[65504.0, -65504.0, 65504.0]);
+        assert_eq!(back[3], f16::from_f32(1.0 / 3.0).to_f32());
+        assert!(back[4].is_nan());
+        assert!(back[5] == 0.0 && back[5].is_sign_negative());
+    }
+
     /// The AVX2 norm + RoPE gives the portable one's bits (same operations, same order), at head
     /// dims with and without a whole number of 8-lane steps.
     #[cfg(target_arch = "x86_64")]
@@ -816,33 +820,25 @@ mod tests {
         }
     }
 
-    /// Prefill then decode steps against the reference with the per-head cache, for 2, 4 and 3 (heads go in pairs, and one alone)
-    /// query heads a KV head, then a truncated cache decoding again: |Δ| ≤ 1e-5. Norm weights of
+    /// Prefill then decode steps against the reference with the per-head cache, for 2, 4 and 3
+    /// query heads a KV head (heads go in pairs, and one alone), then a truncated cache decoding again: |Δ| ≤ 1e-5. Norm weights of
     /// one and a zero angle make norm + RoPE a plain RMS normalization, applied here to the
     /// reference's inputs too.
     #[test]
     fn grouped_heads_match_the_reference() {
         #[cfg(target_arch = "x86_64")]
-        let simd = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        let simd = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
         #[cfg(not(target_arch = "x86_64"))]
         let simd = false;
         if !simd {
-            eprintln!("attention: no AVX2 + FMA here, the portable loops only");
+            eprintln!("attention: no AVX2 + FMA + F16C here, the portable loops only");
         }
-        #[cfg(target_arch = "x86_64")]
-        let simd_half = simd && is_x86_feature_detected!("f16c");
-        #[cfg(not(target_arch = "x86_64"))]
-        let simd_half = false;
-        for (hd, simd, simd_half) in [
-            (64, false, false),
-            (64, simd, simd_half),
-            (32, simd, simd_half),
-            (128, simd, simd_half),
-            (72, simd, simd_half),
-        ] {
+        for (hd, simd) in [(64, false), (64, simd), (32, simd), (128, simd), (72, simd)] {
             for one_head_a_task in [false, true] {
                 grouped_heads_at::<f32>(hd, simd, one_head_a_task);
-                grouped_heads_at::<f16>(hd, simd_half, one_head_a_task);
+                grouped_heads_at::<f16>(hd, simd, one_head_a_task);
             }
         }
     }

@@ -91,7 +91,8 @@ pub(crate) fn quantize(blk: &[f32], q: &mut [i32; KB]) -> (f32, f32) {
 pub fn qgemm(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32]) {
     assert!(usable(w), "vnni::qgemm without AVX-512 VNNI");
     #[cfg(target_arch = "x86_64")]
-    run(&[w], x, m, &mut [as_uninit(y)]);
+    // SAFETY: the kernel stores only computed f32 sums.
+    run(&[w], x, m, &mut [unsafe { as_uninit(y) }]);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (x, m, y);
 }
@@ -104,8 +105,10 @@ pub fn qgemm_shared(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
         "vnni::qgemm_shared without AVX-512 VNNI"
     );
     shared_outputs(ws, m, |_outs| {
+        // `usable` (asserted above) is never true off x86-64, and `shared_outputs` must not
+        // see its outputs unwritten
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = x;
+        unreachable!("vnni::qgemm_shared off x86-64 ({} values)", x.len());
         #[cfg(target_arch = "x86_64")]
         run(ws, x, m, _outs);
     })
@@ -134,11 +137,13 @@ pub(crate) fn shared_outputs(
     ys
 }
 
-/// `y` as memory to be written: sound, as only f32 values are ever stored through it.
-pub(crate) fn as_uninit(y: &mut [f32]) -> &mut [MaybeUninit<f32>] {
-    // SAFETY: `MaybeUninit<f32>` has f32's layout, and nothing can write an uninitialized
-    // value through the result (only `MaybeUninit::uninit()`, which no caller does), so `y`
-    // stays initialized.
+/// `y` as memory for a kernel to write.
+///
+/// # Safety
+/// Only initialized f32 values may be written through the result (never
+/// `MaybeUninit::uninit()`), so that `y` stays initialized: the kernels store computed sums.
+pub(crate) unsafe fn as_uninit(y: &mut [f32]) -> &mut [MaybeUninit<f32>] {
+    // SAFETY: `MaybeUninit<f32>` has f32's layout; the caller writes only f32 values.
     unsafe { &mut *(y as *mut [f32] as *mut [MaybeUninit<f32>]) }
 }
 
@@ -670,7 +675,8 @@ mod tests {
         {
             let (w, x) = crate::engine::cpu::amx::test_case(seed, gs, m, k, rows);
             let mut got = vec![f32::NAN; m * rows];
-            run(&[&w], &x, m, &mut [as_uninit(&mut got[..])]);
+            // SAFETY: the kernel stores only computed f32 sums.
+            run(&[&w], &x, m, &mut [unsafe { as_uninit(&mut got[..]) }]);
             crate::engine::cpu::amx::assert_within_rounding(&w, &x, m, &got);
             let tiles = crate::engine::cpu::amx::soft_gemm(&w, &x, m);
             for (i, (a, b)) in got.iter().zip(&tiles).enumerate() {
