@@ -169,6 +169,12 @@ fn norm_rope(x: &mut [f32], w: &[f32], eps: f32, cos: &[f32], sin: &[f32]) {
     // dependent adds (a head of 128: ~500 cycles; 28% of a 64-token prompt's attention on the
     // Zen 4, 2 threads, then 15% with SSE, 8% with AVX2)
     let ms = dot(x, x) / x.len() as f32;
+    scale_rope(x, ms, w, eps, cos, sin);
+}
+
+/// `norm_rope` once the mean square `ms` is known.
+#[inline(always)]
+fn scale_rope(x: &mut [f32], ms: f32, w: &[f32], eps: f32, cos: &[f32], sin: &[f32]) {
     let r = 1.0 / (ms + eps).sqrt();
     for (v, g) in x.iter_mut().zip(w) {
         *v = *v * r * g;
@@ -222,8 +228,10 @@ fn norm_rope_rows(
     }
 }
 
-/// `norm_rope` on each head of one token's `x` in AVX2: the same operations in the same order
-/// (no FMA contraction), in 8 lanes instead of SSE's 4.
+/// `norm_rope` on each head of one token's `x` with the mean square in AVX2 (`hd` a multiple
+/// of 8; else `norm_rope` itself): `dot(head, head)`'s operations in its order (lane k sums the squares of k, k+8, ...,
+/// mul then add, then the same tree over the lanes), so the same bits; the rest compiles for
+/// AVX2 too (no FMA contraction in Rust), in 8 lanes instead of SSE's 4.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn norm_rope_heads_avx2(
@@ -240,8 +248,6 @@ unsafe fn norm_rope_heads_avx2(
             norm_rope(head, w, eps, cos, sin);
             continue;
         }
-        // `dot(head, head)`: lane k sums the squares of k, k+8, ... in order (mul then add, as
-        // there), then the same tree over the eight lanes: the same bits
         let mut acc = _mm256_setzero_ps();
         for c in head.chunks_exact(8) {
             let v = _mm256_loadu_ps(c.as_ptr());
@@ -250,16 +256,7 @@ unsafe fn norm_rope_heads_avx2(
         let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
         let s = _mm_hadd_ps(s, s);
         let ms = (_mm_cvtss_f32(s) + _mm_cvtss_f32(_mm_movehdup_ps(s))) / hd as f32;
-        let r = 1.0 / (ms + eps).sqrt();
-        for (v, g) in head.iter_mut().zip(w) {
-            *v = *v * r * g;
-        }
-        let (a, b) = head.split_at_mut(hd / 2);
-        for i in 0..hd / 2 {
-            let (x1, x2) = (a[i], b[i]);
-            a[i] = x1 * cos[i] - x2 * sin[i];
-            b[i] = x2 * cos[i] + x1 * sin[i];
-        }
+        scale_rope(head, ms, w, eps, cos, sin);
     }
 }
 
