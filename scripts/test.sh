@@ -26,6 +26,8 @@ export REQUIRE_CHROMIUM=1
 # The Metal backend's Rust side against the real candle/objc2-metal APIs (nothing runs).
 bash .ci/metal-typecheck.sh . metal >&2
 export REQUIRE_PDS=1
+# the CPU backend's weights in 2 MiB pages (engine/resident.rs) are checked, not skipped
+[ "$(uname -s)" != Linux ] || export REQUIRE_HUGEPAGES=1
 cargo test --locked "$@"
 # The default (fast) kernel's greedy ids against mlx_lm on every CPU instruction set this
 # machine has (BOT_CPU_ISA is per process); the ones it lacks are named, not silently skipped.

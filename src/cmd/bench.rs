@@ -23,6 +23,9 @@ pub struct Report {
     /// The sampler decode ran with (`--sampler`): `greedy`, or its settings.
     pub sampler: String,
     pub load_s: f64,
+    /// How the weights are held on the host: the file mapped, or read into huge pages and how
+    /// much of them the kernel gave 2 MiB pages (`engine/resident.rs`).
+    pub weights_memory: String,
     pub prompt_tokens: usize,
     pub gen_tokens: usize,
     pub prefill_tok_s: f64,
@@ -52,6 +55,20 @@ pub struct KernelRow {
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
+}
+
+/// `Report::weights_memory` of a loaded store.
+fn describe_residency(store: &engine::WeightStore) -> String {
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    match store.huge_pages() {
+        Some((huge, total)) => format!(
+            "read into memory: {:.1} of {:.1} MiB in 2 MiB pages",
+            mib(huge),
+            mib(total)
+        ),
+        None if store.is_mapped() => "the files mapped in place (4 KiB pages)".into(),
+        None => "in memory".into(),
+    }
 }
 
 /// Peak resident set size of this process so far, in bytes.
@@ -89,6 +106,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     }
     let dev = crate::cmd::select_device(args.device)?;
     let opts = args.engine.options(dev.clone(), Numerics::Fast);
+    let residency = engine::resident::Residency::for_device(&dev);
+    let weights_memory;
     let (mut model, load_s, name) = if let Some(dir) = &args.model {
         let t = Instant::now();
         let adapter = match (&args.adapter, args.synthetic_lora) {
@@ -100,16 +119,17 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             _ => None,
         };
         let cfg = engine::Qwen3Config::from_dir(dir)?;
-        let store = engine::WeightStore::open_dir(dir)?;
+        let store = engine::WeightStore::open_dir_with(dir, residency)?;
         let m = Qwen3::new(cfg, &store, adapter, &opts)
             .with_context(|| format!("loading {}", dir.display()))?;
+        weights_memory = describe_residency(&store);
         (m, t.elapsed().as_secs_f64(), dir.display().to_string())
     } else {
         let shape = args
             .synthetic
             .context("--model or --synthetic is required")?;
         let t = Instant::now();
-        let (cfg, store) = synthetic::build(shape, args.seed)?;
+        let (cfg, store) = synthetic::build(shape, args.seed, residency)?;
         eprintln!("built random weights in {:.1} s", t.elapsed().as_secs_f64());
         let t = Instant::now();
         let adapter = match (&args.adapter, args.synthetic_lora) {
@@ -118,6 +138,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             _ => None,
         };
         let m = Qwen3::new(cfg, &store, adapter, &opts)?;
+        weights_memory = describe_residency(&store);
         (m, t.elapsed().as_secs_f64(), format!("synthetic {shape:?}"))
     };
     crate::cmd::say_notes(&mut model);
@@ -193,6 +214,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         lora: args.adapter.is_some() || args.synthetic_lora,
         sampler: describe(&sampler),
         load_s,
+        weights_memory,
         prompt_tokens: args.prompt_tokens,
         gen_tokens: args.gen_tokens,
         prefill_tok_s: median(pre),
@@ -371,6 +393,7 @@ fn print_table(r: &Report) {
     );
     println!("sampler          {}", r.sampler);
     println!("load             {:.3} s", r.load_s);
+    println!("weights memory   {}", r.weights_memory);
     println!(
         "prefill          {:.1} tok/s ({} tokens)",
         r.prefill_tok_s, r.prompt_tokens

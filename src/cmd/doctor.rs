@@ -96,6 +96,7 @@ pub fn run(config: Option<&Path>, profile: Option<&str>) -> anyhow::Result<()> {
             Err(e) => format!("ERROR: {e}"),
         },
     );
+    line("cpu weights", crate::engine::resident::describe_cpu());
     line(
         "threads",
         std::thread::available_parallelism().map_or(1, |n| n.get()),

@@ -13,6 +13,7 @@ pub mod metal;
 pub mod profile;
 pub mod quant;
 pub mod qwen3;
+pub mod resident;
 pub mod sample;
 pub mod synthetic;
 pub mod weights;
@@ -36,7 +37,8 @@ pub fn load(model_dir: &Path, adapter_dir: Option<&Path>, opts: &ModelOptions) -
         });
     }
     let cfg = Qwen3Config::from_dir(model_dir)?;
-    let store = WeightStore::open_dir(model_dir)?;
+    let store =
+        WeightStore::open_dir_with(model_dir, resident::Residency::for_device(&opts.device))?;
     let adapter = match adapter_dir {
         Some(d) => {
             if !d.is_dir() {

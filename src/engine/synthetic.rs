@@ -14,7 +14,8 @@ use rayon::prelude::*;
 use crate::engine::config::Qwen3Config;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::lora::{Adapter, LoraBranch};
-use crate::engine::weights::{plan_safetensors, Dtype, SafetensorsFile, WeightStore};
+use crate::engine::resident::{HugeBuf, Residency};
+use crate::engine::weights::{plan_safetensors, Dtype, FilePlan, SafetensorsFile, WeightStore};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Shape {
@@ -77,7 +78,7 @@ enum Fill {
 }
 
 /// The tensor list of a 4-bit group-64 model of `cfg`'s shape.
-fn tensor_list(cfg: &Qwen3Config) -> Vec<(String, Dtype, Vec<usize>, Fill)> {
+fn tensor_list(cfg: &Qwen3Config) -> TensorList {
     let (h, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
     let (nh, nkv, v) = (
         cfg.num_attention_heads,
@@ -153,6 +154,15 @@ fn tensor_list(cfg: &Qwen3Config) -> Vec<(String, Dtype, Vec<usize>, Fill)> {
 
 /// A whole safetensors file of a random model of `cfg`'s shape, built in one buffer.
 pub fn build_file(cfg: &Qwen3Config, seed: u64) -> Vec<u8> {
+    let mut buf = vec![0u8; file_len(cfg)];
+    fill_file(cfg, seed, &mut buf);
+    buf
+}
+
+/// Each tensor of a random model: name, dtype, shape and how it is filled.
+type TensorList = Vec<(String, Dtype, Vec<usize>, Fill)>;
+
+fn plan_for(cfg: &Qwen3Config) -> (TensorList, FilePlan) {
     let list = tensor_list(cfg);
     let plan = plan_safetensors(
         &list
@@ -160,7 +170,17 @@ pub fn build_file(cfg: &Qwen3Config, seed: u64) -> Vec<u8> {
             .map(|(n, d, s, _)| (n.clone(), *d, s.clone()))
             .collect::<Vec<_>>(),
     );
-    let mut buf = vec![0u8; plan.bytes_total];
+    (list, plan)
+}
+
+/// The size of `build_file`'s file.
+pub fn file_len(cfg: &Qwen3Config) -> usize {
+    plan_for(cfg).1.bytes_total
+}
+
+/// `build_file` into `buf` (`file_len` bytes).
+pub fn fill_file(cfg: &Qwen3Config, seed: u64, buf: &mut [u8]) {
+    let (list, plan) = plan_for(cfg);
     buf[..plan.header.len()].copy_from_slice(&plan.header);
     const CHUNK: usize = 1 << 16;
     for (ti, ((_, _, _, fill), range)) in list.iter().zip(&plan.ranges).enumerate() {
@@ -192,15 +212,22 @@ pub fn build_file(cfg: &Qwen3Config, seed: u64) -> Vec<u8> {
                 }
             });
     }
-    buf
 }
 
-/// Config and weight store of a random model of `shape`, in memory.
-pub fn build(shape: Shape, seed: u64) -> Result<(Qwen3Config, WeightStore)> {
+/// Config and weight store of a random model of `shape`, in memory (in huge pages where
+/// `residency` says so, as a model directory's files would be).
+pub fn build(shape: Shape, seed: u64, residency: Residency) -> Result<(Qwen3Config, WeightStore)> {
     let text = shape.config_json().to_string();
     let dir = Path::new("<synthetic>");
     let cfg = Qwen3Config::parse(&dir.join("config.json"), &text, None)?;
-    let file = SafetensorsFile::from_bytes(&dir.join("model.safetensors"), build_file(&cfg, seed))?;
+    let path = dir.join("model.safetensors");
+    let file = if residency == Residency::HugePages {
+        let mut buf = HugeBuf::zeroed(file_len(&cfg)).map_err(|e| EngineError::io(&path, e))?;
+        fill_file(&cfg, seed, &mut buf);
+        SafetensorsFile::from_huge(&path, buf)?
+    } else {
+        SafetensorsFile::from_bytes(&path, build_file(&cfg, seed))?
+    };
     Ok((cfg, WeightStore::from_files(dir, vec![file])))
 }
 

@@ -13,6 +13,7 @@ use half::{bf16, f16};
 use serde_json::Value;
 
 use crate::engine::error::{EngineError, Result};
+use crate::engine::resident::{Frozen, HugeBuf, Residency};
 
 /// A cheaply clonable, immutable byte range of a memory map or of an owned buffer.
 #[derive(Clone)]
@@ -292,6 +293,10 @@ pub struct SafetensorsFile {
     map: Arc<dyn AsRef<[u8]> + Send + Sync>,
     data_start: usize,
     pub tensors: BTreeMap<String, TensorInfo>,
+    /// The bytes when they were read into huge pages, for `WeightStore::huge_pages`.
+    huge: Option<Arc<Frozen>>,
+    /// Whether the bytes are the file mapped in place.
+    mapped: bool,
 }
 
 struct Map(memmap2::Mmap);
@@ -303,11 +308,42 @@ impl AsRef<[u8]> for Map {
 
 impl SafetensorsFile {
     pub fn open(path: &Path) -> Result<Self> {
+        Self::open_with(path, Residency::Mapped)
+    }
+
+    /// The file mapped in place, or read into huge pages (`resident.rs`).
+    pub fn open_with(path: &Path, residency: Residency) -> Result<Self> {
         let file = std::fs::File::open(path).map_err(|e| EngineError::io(path, e))?;
+        if residency == Residency::HugePages {
+            let len = file.metadata().map_err(|e| EngineError::io(path, e))?.len();
+            let len = usize::try_from(len).map_err(|_| EngineError::SafetensorsFormat {
+                path: path.to_path_buf(),
+                why: format!("{len} bytes do not fit this machine's address space"),
+            })?;
+            let buf = HugeBuf::read_file(&file, len)
+                .and_then(HugeBuf::freeze)
+                .map_err(|e| EngineError::io(path, e))?;
+            return Self::from_frozen(path, buf);
+        }
         // SAFETY: the map is read-only; a model file rewritten underneath a running process is
         // outside what any mmap-based loader (mlx, candle, llama.cpp) can guard against.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| EngineError::io(path, e))?;
-        Self::from_owner(path, Arc::new(Map(map)))
+        let mut f = Self::from_owner(path, Arc::new(Map(map)))?;
+        f.mapped = true;
+        Ok(f)
+    }
+
+    /// A file built in a huge-page buffer (synthetic models).
+    pub fn from_huge(path: &Path, buf: HugeBuf) -> Result<Self> {
+        let buf = buf.freeze().map_err(|e| EngineError::io(path, e))?;
+        Self::from_frozen(path, buf)
+    }
+
+    fn from_frozen(path: &Path, buf: Frozen) -> Result<Self> {
+        let buf = Arc::new(buf);
+        let mut f = Self::from_owner(path, buf.clone())?;
+        f.huge = Some(buf);
+        Ok(f)
     }
 
     /// Parses an in-memory file (tests, synthetic models).
@@ -326,6 +362,8 @@ impl SafetensorsFile {
             map,
             data_start,
             tensors,
+            huge: None,
+            mapped: false,
         })
     }
 
@@ -354,7 +392,13 @@ pub struct WeightStore {
 }
 
 impl WeightStore {
+    /// `dir`'s files mapped in place.
     pub fn open_dir(dir: &Path) -> Result<Self> {
+        Self::open_dir_with(dir, Residency::Mapped)
+    }
+
+    /// `dir`'s files, mapped or read into huge pages (`Residency::for_device`).
+    pub fn open_dir_with(dir: &Path, residency: Residency) -> Result<Self> {
         let index_path = dir.join("model.safetensors.index.json");
         let mut names: Vec<PathBuf> = Vec::new();
         if index_path.exists() {
@@ -415,7 +459,7 @@ impl WeightStore {
         let mut files = Vec::new();
         let mut index = BTreeMap::new();
         for p in names {
-            let f = SafetensorsFile::open(&p)?;
+            let f = SafetensorsFile::open_with(&p, residency)?;
             for k in f.tensors.keys() {
                 index.insert(k.clone(), files.len());
             }
@@ -450,6 +494,31 @@ impl WeightStore {
     /// Every tensor name, in order.
     pub fn names(&self) -> impl Iterator<Item = &str> + '_ {
         self.index.keys().map(String::as_str)
+    }
+
+    /// For files read into huge pages (`Residency::HugePages`): how many of their bytes the
+    /// kernel holds in 2 MiB pages now, and their size; `None` where none were, or the kernel
+    /// does not say.
+    pub fn huge_pages(&self) -> Option<(u64, u64)> {
+        let held: Vec<&Frozen> = self
+            .files
+            .iter()
+            .filter_map(|f| f.huge.as_deref())
+            .collect();
+        if held.is_empty() {
+            return None;
+        }
+        let mut huge = 0;
+        for f in &held {
+            // the mapping has a huge page of slack for alignment, never touched
+            huge += f.huge_bytes()?.min(f.as_ref().len() as u64);
+        }
+        Some((huge, held.iter().map(|f| f.as_ref().len() as u64).sum()))
+    }
+
+    /// Whether every file is mapped in place (`Residency::Mapped` from disk).
+    pub fn is_mapped(&self) -> bool {
+        self.files.iter().all(|f| f.mapped)
     }
 
     pub fn require(&self, name: &str) -> Result<HostTensor> {

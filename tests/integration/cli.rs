@@ -83,3 +83,56 @@ fn doctor_reports_backends_devices_and_config() {
     assert!(s.contains("NOT reachable"), "{s}");
     assert!(!s.contains("never-printed-pass"));
 }
+
+/// `bot bench` on the CPU reads the model into 2 MiB pages where the kernel has transparent
+/// huge pages (and says so, with how much it got), and maps the files in place with
+/// `BOT_HUGEPAGES=off`; the speed figures are there either way.
+#[test]
+fn bench_reports_how_the_weights_are_held() {
+    let thp =
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    let on = thp.contains("[always]") || thp.contains("[madvise]");
+    if !on {
+        // CI sets REQUIRE_HUGEPAGES (scripts/test.sh): there, a kernel without them fails
+        assert!(
+            std::env::var_os("REQUIRE_HUGEPAGES").is_none(),
+            "transparent huge pages are off here ({thp:?})"
+        );
+    }
+    for off in [false, true] {
+        let mut cmd = Command::cargo_bin("bot").unwrap();
+        cmd.args(["bench", "--model"])
+            .arg(fixtures().join("q4g64"))
+            .args([
+                "--threads",
+                "2",
+                "--prompt-tokens",
+                "4",
+                "--gen-tokens",
+                "4",
+            ])
+            .args(["--repeats", "1", "--json"]);
+        if off {
+            cmd.env("BOT_HUGEPAGES", "off");
+        } else {
+            cmd.env_remove("BOT_HUGEPAGES");
+        }
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let held = j["weights_memory"].as_str().unwrap().to_string();
+        if off || !on {
+            assert!(held.contains("mapped in place"), "{held}");
+        } else {
+            assert!(
+                held.starts_with("read into memory") && held.contains("2 MiB pages"),
+                "{held}"
+            );
+        }
+        assert!(j["decode_tok_s"].as_f64().unwrap() > 0.0);
+    }
+}
