@@ -57,20 +57,6 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// `Report::weights_memory` of a loaded store.
-fn describe_residency(store: &engine::WeightStore) -> String {
-    let mib = |b: u64| b as f64 / (1 << 20) as f64;
-    match store.huge_pages() {
-        Some((huge, total)) => format!(
-            "read into memory: {:.1} of {:.1} MiB in 2 MiB pages",
-            mib(huge),
-            mib(total)
-        ),
-        None if store.is_mapped() => "the files mapped in place (4 KiB pages)".into(),
-        None => "in memory".into(),
-    }
-}
-
 /// Peak resident set size of this process so far, in bytes.
 pub fn peak_rss_bytes() -> u64 {
     // SAFETY: getrusage writes into the struct we pass and reads nothing else.
@@ -107,8 +93,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let dev = crate::cmd::select_device(args.device)?;
     let opts = args.engine.options(dev.clone(), Numerics::Fast);
     let residency = engine::resident::Residency::for_device(&dev);
-    let weights_memory;
-    let (mut model, load_s, name) = if let Some(dir) = &args.model {
+    // the store is kept to the end: how the kernel holds its bytes is read after the runs
+    let (mut model, load_s, name, store) = if let Some(dir) = &args.model {
         let t = Instant::now();
         let adapter = match (&args.adapter, args.synthetic_lora) {
             (Some(a), _) => Some(engine::Adapter::load(a, &dev)?),
@@ -122,8 +108,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         let store = engine::WeightStore::open_dir_with(dir, residency)?;
         let m = Qwen3::new(cfg, &store, adapter, &opts)
             .with_context(|| format!("loading {}", dir.display()))?;
-        weights_memory = describe_residency(&store);
-        (m, t.elapsed().as_secs_f64(), dir.display().to_string())
+        (
+            m,
+            t.elapsed().as_secs_f64(),
+            dir.display().to_string(),
+            store,
+        )
     } else {
         let shape = args
             .synthetic
@@ -138,8 +128,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             _ => None,
         };
         let m = Qwen3::new(cfg, &store, adapter, &opts)?;
-        weights_memory = describe_residency(&store);
-        (m, t.elapsed().as_secs_f64(), format!("synthetic {shape:?}"))
+        (
+            m,
+            t.elapsed().as_secs_f64(),
+            format!("synthetic {shape:?}"),
+            store,
+        )
     };
     crate::cmd::say_notes(&mut model);
     let vocab = model.cfg.vocab_size.min(151_643) as u64;
@@ -214,7 +208,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         lora: args.adapter.is_some() || args.synthetic_lora,
         sampler: describe(&sampler),
         load_s,
-        weights_memory,
+        weights_memory: store.describe_memory(),
         prompt_tokens: args.prompt_tokens,
         gen_tokens: args.gen_tokens,
         prefill_tok_s: median(pre),

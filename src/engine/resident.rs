@@ -1,14 +1,17 @@
-//! Where the CPU backend's weight bytes live: a safetensors file read into anonymous memory that
-//! Linux backs with 2 MiB transparent huge pages (`madvise(MADV_HUGEPAGE)`, kernel docs
-//! `admin-guide/mm/transhuge`), instead of the file's 4 KiB page-cache pages mapped in place.
+//! Where the CPU backend's weight bytes live: in 2 MiB pages (Linux transparent huge pages,
+//! `madvise(MADV_HUGEPAGE)`, kernel docs `admin-guide/mm/transhuge`) rather than 4 KiB ones.
 //!
-//! A decode step reads every weight once, as a stream, so it runs at the memory's streaming rate,
-//! and with 4 KiB pages that rate is set by address translation as much as by DRAM: a TLB miss
-//! every 4 KiB, and the hardware prefetchers stop at each page boundary. Under a hypervisor
-//! (nested paging, the cloud VMs this tool runs on) a miss costs up to 24 memory references.
-//! Measured on this project's Zen 4 VM (2 threads, 1 GiB read loop): 29-31 GB/s over 4 KiB pages,
-//! 55-60 GB/s over 2 MiB pages (docs/performance.md). GPU backends upload the weights once and
-//! keep the mapped file; so does the CPU where huge pages are off (`never`) or not Linux.
+//! A decode step reads every weight once, as a stream, and with 4 KiB pages that stream is set
+//! by address translation as much as by DRAM: a TLB miss every 4 KiB and the hardware
+//! prefetchers restarting at each page; under a hypervisor (nested paging, the cloud VMs this
+//! tool runs on) a miss costs up to 24 memory references. What decides is how the page cache
+//! holds the file: a file read ahead from disk sits in large folios, one just written (a
+//! download) in 4 KiB pages. So the file is mapped at a 2 MiB boundary with the advice, a
+//! 64 MiB probe populated, and kept where the kernel mapped it in 2 MiB entries (no copy,
+//! shared with other processes); otherwise it is read into anonymous memory advised the same
+//! way (`HugeBuf`). Measured on this project's Zen 4 VM (docs/performance.md): a freshly
+//! written 0.6B model decoded ~16% faster copied than mapped. GPU backends upload the weights
+//! and keep the plain map; so does the CPU where huge pages are off (`never`) or not Linux.
 
 use std::io::{self, Read};
 use std::ops::{Deref, DerefMut};
@@ -46,7 +49,7 @@ pub fn describe_cpu() -> String {
     let mode = thp_mode();
     match Residency::for_device(&candle_core::Device::Cpu) {
         Residency::HugePages => format!(
-            "read into 2 MiB pages (transparent huge pages: {}; {ENV}=off maps the files instead)",
+            "in 2 MiB pages: mapped where the page cache allows, else copied (transparent huge pages: {}; {ENV}=off maps them as they are)",
             mode.as_deref().unwrap_or("?")
         ),
         Residency::Mapped if std::env::var_os(ENV).is_some() => {
@@ -77,6 +80,115 @@ pub fn parse_thp_mode(text: &str) -> Option<String> {
 
 /// A huge page's size on x86-64 and aarch64 Linux (4 KiB base pages).
 const HUGE: usize = 2 << 20;
+
+/// How much of a file `AlignedMap::open` populates to see how the page cache holds it: 64 MiB
+/// in the middle (read-ahead starts a file in small folios and grows them, so its first
+/// megabytes say little about the rest).
+const PROBE: usize = 64 << 20;
+
+/// A file mapped read-only at a 2 MiB boundary and advised for huge pages (Linux): where the
+/// page cache holds the file in 2 MiB folios (read ahead into it with the advice, or read
+/// sequentially before), the kernel maps them with 2 MiB entries, and nothing is copied.
+/// Where it holds 4 KiB pages (a file just written, e.g. downloaded) it cannot, and
+/// `open` says so: the caller then copies into a `HugeBuf`.
+#[cfg(target_os = "linux")]
+pub struct AlignedMap {
+    /// The reservation (`len` + one huge page); the file is mapped over its aligned part.
+    base: *mut libc::c_void,
+    reserved: usize,
+    start: usize,
+    len: usize,
+}
+
+// SAFETY: a read-only shared mapping owned by this value until drop; nothing writes it.
+#[cfg(target_os = "linux")]
+unsafe impl Send for AlignedMap {}
+#[cfg(target_os = "linux")]
+unsafe impl Sync for AlignedMap {}
+
+#[cfg(target_os = "linux")]
+impl AlignedMap {
+    /// Maps `len` bytes of `file` and populates `PROBE` of them in the middle; `Some` when the
+    /// kernel mapped at least 90% of that probe with 2 MiB entries, `None` (nothing kept)
+    /// otherwise.
+    pub fn open(file: &std::fs::File, len: usize) -> io::Result<Option<Self>> {
+        use std::os::unix::io::AsRawFd;
+        if len < HUGE {
+            return Ok(None);
+        }
+        let reserved = len + HUGE;
+        // SAFETY: a fresh inaccessible reservation; the file is then mapped with MAP_FIXED
+        // inside it only, so no other mapping is replaced; every call's result is checked.
+        let (base, start) = unsafe {
+            let base = libc::mmap(
+                std::ptr::null_mut(),
+                reserved,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            );
+            if base == libc::MAP_FAILED {
+                return Err(io::Error::last_os_error());
+            }
+            let start = (base as usize).next_multiple_of(HUGE);
+            let at = libc::mmap(
+                start as *mut libc::c_void,
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                file.as_raw_fd(),
+                0,
+            );
+            if at == libc::MAP_FAILED {
+                let e = io::Error::last_os_error();
+                libc::munmap(base, reserved);
+                return Err(e);
+            }
+            (base, start)
+        };
+        let map = AlignedMap {
+            base,
+            reserved,
+            start,
+            len,
+        };
+        let probe = (len / HUGE * HUGE).min(PROBE);
+        let from = (len / 2).saturating_sub(probe / 2) / HUGE * HUGE;
+        // SAFETY: advice on this value's own mapping (`from + probe <= len`); a kernel without
+        // MADV_POPULATE_READ (before 5.14) refuses it, and then nothing is kept
+        let populated = unsafe {
+            libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
+            let at = (start + from) as *mut libc::c_void;
+            libc::madvise(at, probe, libc::MADV_POPULATE_READ) == 0
+        };
+        let text = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
+        let pmd = vma_field_bytes(&text, start, "FilePmdMapped:").unwrap_or(0);
+        Ok((populated && pmd as f64 >= 0.75 * probe as f64).then_some(map))
+    }
+
+    /// How many of the mapped bytes the kernel maps with 2 MiB entries now.
+    pub fn huge_bytes(&self) -> Option<u64> {
+        let text = std::fs::read_to_string("/proc/self/smaps").ok()?;
+        vma_field_bytes(&text, self.start, "FilePmdMapped:")
+    }
+}
+
+#[cfg(target_os = "linux")]
+impl AsRef<[u8]> for AlignedMap {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `len` bytes at `start` are this value's read-only mapping of the file.
+        unsafe { std::slice::from_raw_parts(self.start as *const u8, self.len) }
+    }
+}
+
+#[cfg(target_os = "linux")]
+impl Drop for AlignedMap {
+    fn drop(&mut self) {
+        // SAFETY: the whole reservation (the file's mapping lies inside it) is ours.
+        unsafe { libc::munmap(self.base, self.reserved) };
+    }
+}
 
 /// Zeroed anonymous memory, its start aligned to 2 MiB and advised for huge pages before
 /// anything touches it (a page faulted in first stays 4 KiB until khugepaged gets to it).
@@ -167,12 +279,13 @@ impl Frozen {
     /// of its entry in `/proc/self/smaps`), where it reports it.
     pub fn huge_bytes(&self) -> Option<u64> {
         let text = std::fs::read_to_string("/proc/self/smaps").ok()?;
-        vma_huge_bytes(&text, self.map.as_ptr() as usize)
+        vma_field_bytes(&text, self.map.as_ptr() as usize, "AnonHugePages:")
     }
 }
 
-/// `AnonHugePages` (in bytes) of the mapping of `smaps` that contains `addr`.
-fn vma_huge_bytes(smaps: &str, addr: usize) -> Option<u64> {
+/// A `kB` field (e.g. `AnonHugePages:`), in bytes, of the mapping of `smaps` that contains
+/// `addr`.
+fn vma_field_bytes(smaps: &str, addr: usize, field: &str) -> Option<u64> {
     let mut inside = false;
     for line in smaps.lines() {
         let head = line.split_whitespace().next().unwrap_or("");
@@ -184,7 +297,7 @@ fn vma_huge_bytes(smaps: &str, addr: usize) -> Option<u64> {
             }
         }
         if inside {
-            if let Some(v) = line.strip_prefix("AnonHugePages:") {
+            if let Some(v) = line.strip_prefix(field) {
                 return v
                     .trim()
                     .trim_end_matches("kB")
@@ -219,9 +332,11 @@ mod tests {
     fn huge_bytes_of_the_mapping_holding_an_address() {
         let t = "7f0000000000-7f0000400000 rw-p 00000000 00:00 0\nSize: 4096 kB\nAnonHugePages:    2048 kB\n\
                  7f0000400000-7f0000401000 r--p 00000000 00:00 0\nAnonHugePages:       0 kB\n";
-        assert_eq!(vma_huge_bytes(t, 0x7f0000123456), Some(2 << 20));
-        assert_eq!(vma_huge_bytes(t, 0x7f0000400000), Some(0));
-        assert_eq!(vma_huge_bytes(t, 0x10), None);
+        let f = "AnonHugePages:";
+        assert_eq!(vma_field_bytes(t, 0x7f0000123456, f), Some(2 << 20));
+        assert_eq!(vma_field_bytes(t, 0x7f0000400000, f), Some(0));
+        assert_eq!(vma_field_bytes(t, 0x10, f), None);
+        assert_eq!(vma_field_bytes(t, 0x7f0000123456, "FilePmdMapped:"), None);
     }
 
     /// The buffer starts on a 2 MiB boundary, holds what was read, and reads back the same
@@ -252,6 +367,39 @@ mod tests {
         let buf = HugeBuf::read_file(&f, bytes.len()).expect("read");
         assert!(buf[..] == bytes[..]);
         assert!(HugeBuf::read_file(&f, bytes.len() + 1).is_err());
+    }
+
+    /// A file mapped at a 2 MiB boundary reads back as the file whichever way the probe goes;
+    /// one not in the page cache (written, synced, dropped from the cache) is read ahead into
+    /// 2 MiB folios under the advice and mapped in 2 MiB entries on this project's kernel
+    /// (checked where CI requires huge pages).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_file_out_of_the_page_cache_is_mapped_in_huge_pages() {
+        use std::io::Write;
+        use std::os::unix::io::AsRawFd;
+        let dir = tempfile::tempdir_in(std::env::temp_dir()).expect("dir");
+        let path = dir.path().join("f");
+        let bytes: Vec<u8> = (0..16 * HUGE + 4321).map(|i| (i % 251) as u8).collect();
+        let mut f = std::fs::File::create(&path).expect("create");
+        f.write_all(&bytes).expect("write");
+        f.sync_all().expect("sync");
+        drop(f);
+        let f = std::fs::File::open(&path).expect("open");
+        // SAFETY: advice on an open file descriptor; the file's pages are clean after the sync
+        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        let map = AlignedMap::open(&f, bytes.len()).expect("map");
+        let mapped = map.is_some();
+        if let Some(m) = map {
+            assert_eq!(m.as_ref().as_ptr() as usize % HUGE, 0);
+            assert!(m.as_ref() == &bytes[..]);
+            assert!(m.huge_bytes().is_some_and(|h| h >= 8 * HUGE as u64));
+        }
+        let huge_fs = matches!(thp_mode().as_deref(), Some("always" | "madvise"));
+        eprintln!("a file read back from disk: mapped in 2 MiB entries: {mapped}");
+        if std::env::var_os("REQUIRE_HUGEPAGES").is_some() && huge_fs {
+            assert!(mapped, "the file was not mapped in 2 MiB entries");
+        }
     }
 
     /// On Linux with huge pages on (`madvise` or `always`: the kernel compacts memory for an

@@ -13,6 +13,8 @@ use half::{bf16, f16};
 use serde_json::Value;
 
 use crate::engine::error::{EngineError, Result};
+#[cfg(target_os = "linux")]
+use crate::engine::resident::AlignedMap;
 use crate::engine::resident::{Frozen, HugeBuf, Residency};
 
 /// A cheaply clonable, immutable byte range of a memory map or of an owned buffer.
@@ -293,10 +295,22 @@ pub struct SafetensorsFile {
     map: Arc<dyn AsRef<[u8]> + Send + Sync>,
     data_start: usize,
     pub tensors: BTreeMap<String, TensorInfo>,
-    /// The bytes when they were read into huge pages, for `WeightStore::huge_pages`.
-    huge: Option<Arc<Frozen>>,
-    /// Whether the bytes are the file mapped in place.
-    mapped: bool,
+    /// How the bytes are held, for `WeightStore::describe_memory`.
+    held: Held,
+}
+
+/// Where a file's bytes are (`resident.rs`).
+#[derive(Clone)]
+enum Held {
+    /// An owned buffer (tests, synthetic models).
+    Buffer,
+    /// The file mapped in place.
+    Mapped,
+    /// The file mapped in place in 2 MiB entries.
+    #[cfg(target_os = "linux")]
+    HugeMapped(Arc<AlignedMap>),
+    /// Read (or built) into a buffer in 2 MiB pages.
+    Copied(Arc<Frozen>),
 }
 
 struct Map(memmap2::Mmap);
@@ -311,7 +325,8 @@ impl SafetensorsFile {
         Self::open_with(path, Residency::Mapped)
     }
 
-    /// The file mapped in place, or read into huge pages (`resident.rs`).
+    /// The file mapped in place, or in huge pages (`resident.rs`): mapped in 2 MiB entries
+    /// where the page cache allows, else read into a buffer of them.
     pub fn open_with(path: &Path, residency: Residency) -> Result<Self> {
         let file = std::fs::File::open(path).map_err(|e| EngineError::io(path, e))?;
         if residency == Residency::HugePages {
@@ -320,6 +335,13 @@ impl SafetensorsFile {
                 path: path.to_path_buf(),
                 why: format!("{len} bytes do not fit this machine's address space"),
             })?;
+            #[cfg(target_os = "linux")]
+            if let Some(map) = AlignedMap::open(&file, len).map_err(|e| EngineError::io(path, e))? {
+                let map = Arc::new(map);
+                let mut f = Self::from_owner(path, map.clone())?;
+                f.held = Held::HugeMapped(map);
+                return Ok(f);
+            }
             let buf = HugeBuf::read_file(&file, len)
                 .and_then(HugeBuf::freeze)
                 .map_err(|e| EngineError::io(path, e))?;
@@ -329,7 +351,7 @@ impl SafetensorsFile {
         // outside what any mmap-based loader (mlx, candle, llama.cpp) can guard against.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| EngineError::io(path, e))?;
         let mut f = Self::from_owner(path, Arc::new(Map(map)))?;
-        f.mapped = true;
+        f.held = Held::Mapped;
         Ok(f)
     }
 
@@ -342,7 +364,7 @@ impl SafetensorsFile {
     fn from_frozen(path: &Path, buf: Frozen) -> Result<Self> {
         let buf = Arc::new(buf);
         let mut f = Self::from_owner(path, buf.clone())?;
-        f.huge = Some(buf);
+        f.held = Held::Copied(buf);
         Ok(f)
     }
 
@@ -362,8 +384,7 @@ impl SafetensorsFile {
             map,
             data_start,
             tensors,
-            huge: None,
-            mapped: false,
+            held: Held::Buffer,
         })
     }
 
@@ -496,29 +517,54 @@ impl WeightStore {
         self.index.keys().map(String::as_str)
     }
 
-    /// For files read into huge pages (`Residency::HugePages`): how many of their bytes the
-    /// kernel holds in 2 MiB pages now, and their size; `None` where none were, or the kernel
-    /// does not say.
-    pub fn huge_pages(&self) -> Option<(u64, u64)> {
-        let held: Vec<&Frozen> = self
-            .files
-            .iter()
-            .filter_map(|f| f.huge.as_deref())
-            .collect();
-        if held.is_empty() {
-            return None;
+    /// How the files' bytes are held now, in words (`bot bench`'s "weights memory"): mapped
+    /// in place, and how much of them the kernel maps or holds in 2 MiB pages.
+    pub fn describe_memory(&self) -> String {
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        // (huge bytes, all bytes) of the files held each way
+        let (mut mapped, mut huge_mapped, mut copied, mut buffers) = (0u64, (0, 0), (0, 0), 0u64);
+        for f in &self.files {
+            let len = (*f.map).as_ref().len() as u64;
+            match &f.held {
+                Held::Buffer => buffers += len,
+                Held::Mapped => mapped += len,
+                #[cfg(target_os = "linux")]
+                Held::HugeMapped(m) => {
+                    huge_mapped.0 += m.huge_bytes().unwrap_or(0).min(len);
+                    huge_mapped.1 += len;
+                }
+                Held::Copied(c) => {
+                    // the buffer has a huge page of slack for alignment, never touched
+                    copied.0 += c.huge_bytes().unwrap_or(0).min(len);
+                    copied.1 += len;
+                }
+            }
         }
-        let mut huge = 0;
-        for f in &held {
-            // the mapping has a huge page of slack for alignment, never touched
-            huge += f.huge_bytes()?.min(f.as_ref().len() as u64);
+        let mut parts = Vec::new();
+        if mapped > 0 {
+            parts.push(format!(
+                "{:.1} MiB mapped in place (4 KiB pages)",
+                mib(mapped)
+            ));
         }
-        Some((huge, held.iter().map(|f| f.as_ref().len() as u64).sum()))
-    }
-
-    /// Whether every file is mapped in place (`Residency::Mapped` from disk).
-    pub fn is_mapped(&self) -> bool {
-        self.files.iter().all(|f| f.mapped)
+        if huge_mapped.1 > 0 {
+            parts.push(format!(
+                "mapped in place: {:.1} of {:.1} MiB in 2 MiB pages",
+                mib(huge_mapped.0),
+                mib(huge_mapped.1)
+            ));
+        }
+        if copied.1 > 0 {
+            parts.push(format!(
+                "read into memory: {:.1} of {:.1} MiB in 2 MiB pages",
+                mib(copied.0),
+                mib(copied.1)
+            ));
+        }
+        if buffers > 0 {
+            parts.push(format!("{:.1} MiB in memory", mib(buffers)));
+        }
+        parts.join("; ")
     }
 
     pub fn require(&self, name: &str) -> Result<HostTensor> {
