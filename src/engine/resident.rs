@@ -5,13 +5,17 @@
 //! by address translation as much as by DRAM: a TLB miss every 4 KiB and the hardware
 //! prefetchers restarting at each page; under a hypervisor (nested paging, the cloud VMs this
 //! tool runs on) a miss costs up to 24 memory references. What decides is how the page cache
-//! holds the file: a file read ahead from disk sits in large folios, one just written (a
-//! download) in 4 KiB pages. So the file is mapped at a 2 MiB boundary with the advice, a
-//! 64 MiB probe populated, and kept where the kernel mapped it in 2 MiB entries (no copy,
-//! shared with other processes); otherwise it is read into anonymous memory advised the same
-//! way (`HugeBuf`). Measured on this project's Zen 4 VM (docs/performance.md): a freshly
+//! holds the file: on filesystems that cache in large folios (XFS; ext4 from Linux 6.16) a
+//! file read ahead from disk sits in them, one just written (a download) in 4 KiB pages.
+//!
+//! So the file is mapped at a 2 MiB boundary with the advice, a 64 MiB probe populated, and
+//! kept where the kernel mapped it in 2 MiB entries (no copy, shared with other processes).
+//! Otherwise it is read into anonymous memory advised the same way (`HugeBuf`), where half the
+//! available memory holds it (else the plain map: slower, not swapped); a file on tmpfs is
+//! mapped as it is. Measured on this project's Zen 4 VM (docs/performance.md): a freshly
 //! written 0.6B model decoded ~16% faster copied than mapped. GPU backends upload the weights
-//! and keep the plain map; so does the CPU where huge pages are off (`never`) or not Linux.
+//! and keep the plain map; so does the CPU where huge pages are off (`never`), not 2 MiB, or
+//! not Linux.
 
 use std::io::{self, Read};
 use std::ops::{Deref, DerefMut};
@@ -34,13 +38,16 @@ impl Residency {
     /// `HugePages` for the CPU backend on Linux when the kernel's transparent huge pages are
     /// `always` or `madvise` and `BOT_HUGEPAGES` is not `off`; `Mapped` otherwise.
     pub fn for_device(dev: &candle_core::Device) -> Self {
-        if !dev.is_cpu() || std::env::var(ENV).is_ok_and(|v| v == "off" || v == "0") {
+        let off = std::env::var(ENV).is_ok_and(|v| {
+            matches!(
+                v.to_ascii_lowercase().as_str(),
+                "off" | "0" | "false" | "no"
+            )
+        });
+        if !dev.is_cpu() || off || !huge_pages_usable() {
             return Residency::Mapped;
         }
-        match thp_mode().as_deref() {
-            Some("always" | "madvise") => Residency::HugePages,
-            _ => Residency::Mapped,
-        }
+        Residency::HugePages
     }
 }
 
@@ -62,6 +69,15 @@ pub fn describe_cpu() -> String {
     }
 }
 
+/// Whether the kernel gives this process 2 MiB transparent huge pages: the mode is `always` or
+/// `madvise` and the PMD size is 2 MiB (not so on aarch64 kernels with 16 or 64 KiB base
+/// pages, where a `HugeBuf` would be a copy without the gain).
+fn huge_pages_usable() -> bool {
+    let pmd = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size");
+    matches!(thp_mode().as_deref(), Some("always" | "madvise"))
+        && pmd.is_ok_and(|t| t.trim().parse::<usize>() == Ok(HUGE))
+}
+
 /// The kernel's transparent huge page mode (`always`, `madvise`, `never`), where it says one.
 pub fn thp_mode() -> Option<String> {
     if !cfg!(target_os = "linux") {
@@ -81,6 +97,7 @@ pub fn parse_thp_mode(text: &str) -> Option<String> {
 /// A huge page's size on x86-64 and aarch64 Linux (4 KiB base pages).
 const HUGE: usize = 2 << 20;
 
+#[cfg(target_os = "linux")]
 /// How much of a file `AlignedMap::open` populates to see how the page cache holds it: 64 MiB
 /// in the middle (read-ahead starts a file in small folios and grows them, so its first
 /// megabytes say little about the rest).
@@ -100,7 +117,9 @@ pub struct AlignedMap {
     len: usize,
 }
 
-// SAFETY: a read-only shared mapping owned by this value until drop; nothing writes it.
+// SAFETY: a read-only shared mapping owned by this value until drop; this process never writes
+// it. (Another process truncating the file under it would raise SIGBUS on access, as with any
+// mapped model file: memmap2's, candle's, llama.cpp's.)
 #[cfg(target_os = "linux")]
 unsafe impl Send for AlignedMap {}
 #[cfg(target_os = "linux")]
@@ -109,14 +128,32 @@ unsafe impl Sync for AlignedMap {}
 #[cfg(target_os = "linux")]
 impl AlignedMap {
     /// Maps `len` bytes of `file` and populates `PROBE` of them in the middle; `Some` when the
-    /// kernel mapped at least 90% of that probe with 2 MiB entries, `None` (nothing kept)
-    /// otherwise.
+    /// kernel mapped at least 75% of that probe with 2 MiB entries, `None` (nothing kept)
+    /// otherwise, and for a file on tmpfs or under 2 MiB.
     pub fn open(file: &std::fs::File, len: usize) -> io::Result<Option<Self>> {
-        use std::os::unix::io::AsRawFd;
-        if len < HUGE {
+        if len < HUGE || on_tmpfs(file) {
             return Ok(None);
         }
-        let reserved = len + HUGE;
+        let map = Self::map(file, len)?;
+        let (start, probe) = (map.start, (len / HUGE * HUGE).min(PROBE));
+        let from = (len / 2).saturating_sub(probe / 2) / HUGE * HUGE;
+        // SAFETY: advice on this value's own mapping (`from + probe <= len`); a kernel without
+        // MADV_POPULATE_READ (before 5.14) refuses it, and then nothing is kept
+        let populated = unsafe {
+            let at = (start + from) as *mut libc::c_void;
+            libc::madvise(at, probe, libc::MADV_POPULATE_READ) == 0
+        };
+        let text = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
+        let pmd = vma_field_bytes(&text, start, "FilePmdMapped:").unwrap_or(0);
+        Ok((populated && pmd as f64 >= 0.75 * probe as f64).then_some(map))
+    }
+
+    /// `len` bytes of `file` mapped read-only at a 2 MiB boundary and advised for huge pages.
+    pub fn map(file: &std::fs::File, len: usize) -> io::Result<Self> {
+        use std::os::unix::io::AsRawFd;
+        let reserved = len
+            .checked_add(HUGE)
+            .ok_or_else(|| io::Error::other("file too large to map"))?;
         // SAFETY: a fresh inaccessible reservation; the file is then mapped with MAP_FIXED
         // inside it only, so no other mapping is replaced; every call's result is checked.
         let (base, start) = unsafe {
@@ -134,7 +171,7 @@ impl AlignedMap {
             let start = (base as usize).next_multiple_of(HUGE);
             let at = libc::mmap(
                 start as *mut libc::c_void,
-                len,
+                len.max(1),
                 libc::PROT_READ,
                 libc::MAP_SHARED | libc::MAP_FIXED,
                 file.as_raw_fd(),
@@ -145,26 +182,16 @@ impl AlignedMap {
                 libc::munmap(base, reserved);
                 return Err(e);
             }
+            // where the kernel ignores the advice, only speed changes
+            libc::madvise(start as *mut libc::c_void, len.max(1), libc::MADV_HUGEPAGE);
             (base, start)
         };
-        let map = AlignedMap {
+        Ok(AlignedMap {
             base,
             reserved,
             start,
             len,
-        };
-        let probe = (len / HUGE * HUGE).min(PROBE);
-        let from = (len / 2).saturating_sub(probe / 2) / HUGE * HUGE;
-        // SAFETY: advice on this value's own mapping (`from + probe <= len`); a kernel without
-        // MADV_POPULATE_READ (before 5.14) refuses it, and then nothing is kept
-        let populated = unsafe {
-            libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
-            let at = (start + from) as *mut libc::c_void;
-            libc::madvise(at, probe, libc::MADV_POPULATE_READ) == 0
-        };
-        let text = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
-        let pmd = vma_field_bytes(&text, start, "FilePmdMapped:").unwrap_or(0);
-        Ok((populated && pmd as f64 >= 0.75 * probe as f64).then_some(map))
+        })
     }
 
     /// How many of the mapped bytes the kernel maps with 2 MiB entries now.
@@ -190,6 +217,39 @@ impl Drop for AlignedMap {
     }
 }
 
+/// Whether `file` lives on tmpfs, whose pages are already memory (and held as shmem, which
+/// neither the probe nor a copy improves).
+#[cfg(target_os = "linux")]
+fn on_tmpfs(file: &std::fs::File) -> bool {
+    use std::os::unix::io::AsRawFd;
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    // SAFETY: fstatfs writes into the struct we pass, for an open descriptor.
+    unsafe {
+        let mut st: libc::statfs = std::mem::zeroed();
+        libc::fstatfs(file.as_raw_fd(), &mut st) == 0 && st.f_type as i64 == TMPFS_MAGIC
+    }
+}
+
+/// Whether a private copy of `len` bytes leaves room: at most half of what the kernel reports
+/// available (`MemAvailable`), so that a model near the machine's memory is mapped (slower)
+/// instead of pushed to swap or refused; `true` where the kernel does not say.
+pub fn room_for_copy(len: usize) -> bool {
+    let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    mem_available(&text).is_none_or(|avail| len as u64 <= avail / 2)
+}
+
+/// `MemAvailable` of `/proc/meminfo`, in bytes.
+fn mem_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line["MemAvailable:".len()..]
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
 /// Zeroed anonymous memory, its start aligned to 2 MiB and advised for huge pages before
 /// anything touches it (a page faulted in first stays 4 KiB until khugepaged gets to it).
 pub struct HugeBuf {
@@ -200,11 +260,13 @@ pub struct HugeBuf {
 
 impl HugeBuf {
     pub fn zeroed(len: usize) -> io::Result<Self> {
-        // one huge page more than asked, to start at a 2 MiB boundary; the slack is never
-        // touched, so it never becomes resident
-        let map = memmap2::MmapOptions::new()
-            .len(len.saturating_add(HUGE).max(1))
-            .map_anon()?;
+        // whole huge pages from a 2 MiB boundary on (the last piece is one too), and one more
+        // to find that boundary in; what is never touched never becomes resident
+        let size = len
+            .checked_next_multiple_of(HUGE)
+            .and_then(|l| l.checked_add(HUGE))
+            .ok_or_else(|| io::Error::other("buffer too large"))?;
+        let map = memmap2::MmapOptions::new().len(size).map_anon()?;
         let start = map.as_ptr().align_offset(HUGE).min(HUGE);
         #[cfg(target_os = "linux")]
         map.advise(memmap2::Advice::HugePage)?;
@@ -329,6 +391,13 @@ mod tests {
     }
 
     #[test]
+    fn mem_available_in_bytes() {
+        let t = "MemTotal:       24000000 kB\nMemAvailable:    2000000 kB\n";
+        assert_eq!(mem_available(t), Some(2_048_000_000));
+        assert_eq!(mem_available("MemTotal: 1 kB\n"), None);
+    }
+
+    #[test]
     fn huge_bytes_of_the_mapping_holding_an_address() {
         let t = "7f0000000000-7f0000400000 rw-p 00000000 00:00 0\nSize: 4096 kB\nAnonHugePages:    2048 kB\n\
                  7f0000400000-7f0000401000 r--p 00000000 00:00 0\nAnonHugePages:       0 kB\n";
@@ -369,10 +438,11 @@ mod tests {
         assert!(HugeBuf::read_file(&f, bytes.len() + 1).is_err());
     }
 
-    /// A file mapped at a 2 MiB boundary reads back as the file whichever way the probe goes;
-    /// one not in the page cache (written, synced, dropped from the cache) is read ahead into
-    /// 2 MiB folios under the advice and mapped in 2 MiB entries on this project's kernel
-    /// (checked where CI requires huge pages).
+    /// A file mapped at a 2 MiB boundary reads back as the file. One out of the page cache
+    /// (written, synced, dropped from the cache) is read ahead into 2 MiB folios under the
+    /// advice and kept by `open`, mapped in 2 MiB entries, where the filesystem makes large
+    /// folios (ext4 from Linux 6.16, XFS): CI requires it where `scripts/test.sh` finds such a
+    /// temporary directory (`REQUIRE_HUGE_FILE_MAPS`), and only prints it elsewhere.
     #[cfg(target_os = "linux")]
     #[test]
     fn a_file_out_of_the_page_cache_is_mapped_in_huge_pages() {
@@ -386,19 +456,23 @@ mod tests {
         f.sync_all().expect("sync");
         drop(f);
         let f = std::fs::File::open(&path).expect("open");
+        let m = AlignedMap::map(&f, bytes.len()).expect("map");
+        assert_eq!(m.as_ref().as_ptr() as usize % HUGE, 0);
+        assert!(m.as_ref() == &bytes[..]);
+        drop(m);
         // SAFETY: advice on an open file descriptor; the file's pages are clean after the sync
         unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-        let map = AlignedMap::open(&f, bytes.len()).expect("map");
-        let mapped = map.is_some();
-        if let Some(m) = map {
-            assert_eq!(m.as_ref().as_ptr() as usize % HUGE, 0);
+        let kept = AlignedMap::open(&f, bytes.len()).expect("open");
+        eprintln!(
+            "a file read back from disk: kept, in 2 MiB entries: {}",
+            kept.is_some()
+        );
+        if let Some(m) = &kept {
             assert!(m.as_ref() == &bytes[..]);
             assert!(m.huge_bytes().is_some_and(|h| h >= 8 * HUGE as u64));
         }
-        let huge_fs = matches!(thp_mode().as_deref(), Some("always" | "madvise"));
-        eprintln!("a file read back from disk: mapped in 2 MiB entries: {mapped}");
-        if std::env::var_os("REQUIRE_HUGEPAGES").is_some() && huge_fs {
-            assert!(mapped, "the file was not mapped in 2 MiB entries");
+        if std::env::var_os("REQUIRE_HUGE_FILE_MAPS").is_some() {
+            assert!(kept.is_some(), "the file was not mapped in 2 MiB entries");
         }
     }
 

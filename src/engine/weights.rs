@@ -15,7 +15,7 @@ use serde_json::Value;
 use crate::engine::error::{EngineError, Result};
 #[cfg(target_os = "linux")]
 use crate::engine::resident::AlignedMap;
-use crate::engine::resident::{Frozen, HugeBuf, Residency};
+use crate::engine::resident::{self, Frozen, HugeBuf, Residency};
 
 /// A cheaply clonable, immutable byte range of a memory map or of an owned buffer.
 #[derive(Clone)]
@@ -335,17 +335,22 @@ impl SafetensorsFile {
                 path: path.to_path_buf(),
                 why: format!("{len} bytes do not fit this machine's address space"),
             })?;
+            // a failure here only means "not kept": the copy or the plain map follow
             #[cfg(target_os = "linux")]
-            if let Some(map) = AlignedMap::open(&file, len).map_err(|e| EngineError::io(path, e))? {
+            if let Ok(Some(map)) = AlignedMap::open(&file, len) {
                 let map = Arc::new(map);
                 let mut f = Self::from_owner(path, map.clone())?;
                 f.held = Held::HugeMapped(map);
                 return Ok(f);
             }
-            let buf = HugeBuf::read_file(&file, len)
-                .and_then(HugeBuf::freeze)
-                .map_err(|e| EngineError::io(path, e))?;
-            return Self::from_frozen(path, buf);
+            if resident::room_for_copy(len) {
+                match HugeBuf::read_file(&file, len).and_then(HugeBuf::freeze) {
+                    Ok(buf) => return Self::from_frozen(path, buf),
+                    // no memory for the copy: the plain map runs, only slower
+                    Err(e) if e.kind() == std::io::ErrorKind::OutOfMemory => {}
+                    Err(e) => return Err(EngineError::io(path, e)),
+                }
+            }
         }
         // SAFETY: the map is read-only; a model file rewritten underneath a running process is
         // outside what any mmap-based loader (mlx, candle, llama.cpp) can guard against.
