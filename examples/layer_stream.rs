@@ -63,7 +63,7 @@ fn main() {
         .expect("pool");
     let sets = [
         ("4 KiB pages", load(Residency::Mapped)),
-        ("2 MiB pages", load(Residency::HugePages)),
+        ("2 MiB pages", load(Residency::HugeCopied)),
     ];
     let bytes = |r: usize, c: usize| (r * c / 2 + r * c / 64 * 4) as f64;
     let layer_bytes =

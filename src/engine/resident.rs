@@ -8,14 +8,15 @@
 //! holds the file: on filesystems that cache in large folios (XFS; ext4 from Linux 6.16) a
 //! file read ahead from disk sits in them, one just written (a download) in 4 KiB pages.
 //!
-//! So the file is mapped at a 2 MiB boundary with the advice, a 64 MiB probe populated, and
-//! kept where the kernel mapped it in 2 MiB entries (no copy, shared with other processes).
-//! Otherwise it is read into anonymous memory advised the same way (`HugeBuf`), where half the
-//! available memory holds it (else the plain map: slower, not swapped); a file on tmpfs is
-//! mapped as it is. Measured on this project's Zen 4 VM (docs/performance.md): a freshly
-//! written 0.6B model decoded ~16% faster copied than mapped. GPU backends upload the weights
-//! and keep the plain map; so does the CPU where huge pages are off (`never`), not 2 MiB, or
-//! not Linux.
+//! So the file is mapped at a 2 MiB boundary with the advice (`AlignedMap`): the kernel maps
+//! whatever the page cache holds in 2 MiB folios with 2 MiB entries, for nothing. With
+//! `BOT_HUGEPAGES=copy`, a file whose 64 MiB probe is not so mapped is read into anonymous
+//! memory advised the same way (`HugeBuf`) where half the available memory holds it: on this
+//! project's Zen 4 VM (docs/performance.md) a freshly written 0.6B model then decoded ~16%
+//! faster, for a load ~0.4 s longer (8B: ~10%, 2-10 s), which a one-post `bot generate` does
+//! not earn back; hence opt-in. A file on tmpfs is mapped as it is. GPU backends upload the
+//! weights and keep the plain map; so does the CPU where huge pages are off (`never`), not
+//! 2 MiB, or not Linux.
 
 use std::io::{self, Read};
 use std::ops::{Deref, DerefMut};
@@ -26,46 +27,52 @@ pub enum Residency {
     /// The file mapped read-only in place: shared with the page cache (and with another `bot`
     /// on the same model), paged in as it is touched.
     Mapped,
-    /// The file read into private anonymous memory advised for 2 MiB pages (Linux).
-    HugePages,
+    /// Mapped in place at a 2 MiB boundary with the huge-page advice (Linux): the kernel maps
+    /// in 2 MiB entries whatever the page cache holds in 2 MiB folios; nothing is copied, and
+    /// the load costs what a plain map costs. The default.
+    HugeMapped,
+    /// As `HugeMapped` where a probe finds 2 MiB entries; otherwise read into private anonymous
+    /// memory advised for 2 MiB pages (`BOT_HUGEPAGES=copy`): the fastest decode whatever the
+    /// page cache holds, for a load that copies the file (for a long-running process).
+    HugeCopied,
 }
 
-/// The environment variable that turns the copy off (`BOT_HUGEPAGES=off`): two `bot`
-/// processes on one large model then share its page cache instead of holding a copy each.
+/// The environment variable that chooses (`off`: plain map; `copy`: `HugeCopied`; anything
+/// else or unset: `HugeMapped`).
 pub const ENV: &str = "BOT_HUGEPAGES";
 
 impl Residency {
-    /// `HugePages` for the CPU backend on Linux when the kernel's transparent huge pages are
-    /// `always` or `madvise` and `BOT_HUGEPAGES` is not `off`; `Mapped` otherwise.
+    /// For the CPU backend on Linux where the kernel's transparent huge pages are `always` or
+    /// `madvise` in 2 MiB pages: `HugeMapped`, or what `BOT_HUGEPAGES` asks; `Mapped` otherwise
+    /// (GPU backends upload the weights once).
     pub fn for_device(dev: &candle_core::Device) -> Self {
-        let off = std::env::var(ENV).is_ok_and(|v| {
-            matches!(
-                v.to_ascii_lowercase().as_str(),
-                "off" | "0" | "false" | "no"
-            )
-        });
-        if !dev.is_cpu() || off || !huge_pages_usable() {
+        let asked = std::env::var(ENV).unwrap_or_default().to_ascii_lowercase();
+        if !dev.is_cpu() || matches!(asked.as_str(), "off" | "0" | "false" | "no") {
             return Residency::Mapped;
         }
-        Residency::HugePages
+        if !huge_pages_usable() {
+            return Residency::Mapped;
+        }
+        if asked == "copy" {
+            Residency::HugeCopied
+        } else {
+            Residency::HugeMapped
+        }
     }
 }
 
 /// What the CPU backend does with a model's files here, in words (`bot doctor`).
 pub fn describe_cpu() -> String {
     let mode = thp_mode();
+    let mode = mode.as_deref().unwrap_or("?");
     match Residency::for_device(&candle_core::Device::Cpu) {
-        Residency::HugePages => format!(
-            "in 2 MiB pages: mapped where the page cache allows, else copied (transparent huge pages: {}; {ENV}=off maps them as they are)",
-            mode.as_deref().unwrap_or("?")
+        Residency::HugeMapped => format!(
+            "mapped in place, in 2 MiB pages where the page cache holds them so (transparent huge pages: {mode}; {ENV}=copy copies the rest, =off maps as is)"
         ),
-        Residency::Mapped if std::env::var_os(ENV).is_some() => {
-            format!("the files mapped in place ({ENV} is set)")
-        }
-        Residency::Mapped => match mode {
-            Some(m) => format!("the files mapped in place (transparent huge pages: {m})"),
-            None => "the files mapped in place".into(),
-        },
+        Residency::HugeCopied => format!(
+            "in 2 MiB pages: mapped where the page cache allows, else copied ({ENV}=copy; transparent huge pages: {mode})"
+        ),
+        Residency::Mapped => format!("the files mapped in place (transparent huge pages: {mode}; {ENV}: {:?})", std::env::var(ENV).ok()),
     }
 }
 

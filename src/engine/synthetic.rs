@@ -214,14 +214,14 @@ pub fn fill_file(cfg: &Qwen3Config, seed: u64, buf: &mut [u8]) {
     }
 }
 
-/// Config and weight store of a random model of `shape`, in memory (in huge pages where
-/// `residency` says so, as a model directory's files would be).
+/// Config and weight store of a random model of `shape`, in memory (in a buffer of huge pages
+/// unless `residency` is `Mapped`: building it costs the same either way).
 pub fn build(shape: Shape, seed: u64, residency: Residency) -> Result<(Qwen3Config, WeightStore)> {
     let text = shape.config_json().to_string();
     let dir = Path::new("<synthetic>");
     let cfg = Qwen3Config::parse(&dir.join("config.json"), &text, None)?;
     let path = dir.join("model.safetensors");
-    let file = if residency == Residency::HugePages {
+    let file = if residency != Residency::Mapped {
         let mut buf = HugeBuf::zeroed(file_len(&cfg)).map_err(|e| EngineError::io(&path, e))?;
         fill_file(&cfg, seed, &mut buf);
         SafetensorsFile::from_huge(&path, buf)?

@@ -329,7 +329,7 @@ impl SafetensorsFile {
     /// where the page cache allows, else read into a buffer of them.
     pub fn open_with(path: &Path, residency: Residency) -> Result<Self> {
         let file = std::fs::File::open(path).map_err(|e| EngineError::io(path, e))?;
-        if residency == Residency::HugePages {
+        if residency != Residency::Mapped {
             let len = file.metadata().map_err(|e| EngineError::io(path, e))?.len();
             let len = usize::try_from(len).map_err(|_| EngineError::SafetensorsFormat {
                 path: path.to_path_buf(),
@@ -337,13 +337,20 @@ impl SafetensorsFile {
             })?;
             // a failure here only means "not kept": the copy or the plain map follow
             #[cfg(target_os = "linux")]
-            if let Ok(Some(map)) = AlignedMap::open(&file, len) {
-                let map = Arc::new(map);
-                let mut f = Self::from_owner(path, map.clone())?;
-                f.held = Held::HugeMapped(map);
-                return Ok(f);
+            {
+                let map = match residency {
+                    Residency::HugeCopied => AlignedMap::open(&file, len).ok().flatten(),
+                    _ if len > 0 => AlignedMap::map(&file, len).ok(),
+                    _ => None,
+                };
+                if let Some(map) = map {
+                    let map = Arc::new(map);
+                    let mut f = Self::from_owner(path, map.clone())?;
+                    f.held = Held::HugeMapped(map);
+                    return Ok(f);
+                }
             }
-            if resident::room_for_copy(len) {
+            if residency == Residency::HugeCopied && resident::room_for_copy(len) {
                 match HugeBuf::read_file(&file, len).and_then(HugeBuf::freeze) {
                     Ok(buf) => return Self::from_frozen(path, buf),
                     // no memory for the copy: the plain map runs, only slower
@@ -547,10 +554,7 @@ impl WeightStore {
         }
         let mut parts = Vec::new();
         if mapped > 0 {
-            parts.push(format!(
-                "{:.1} MiB mapped in place (4 KiB pages)",
-                mib(mapped)
-            ));
+            parts.push(format!("{:.1} MiB mapped in place", mib(mapped)));
         }
         if huge_mapped.1 > 0 {
             parts.push(format!(
