@@ -150,8 +150,7 @@ impl AlignedMap {
             let at = (start + from) as *mut libc::c_void;
             libc::madvise(at, probe, libc::MADV_POPULATE_READ) == 0
         };
-        let text = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
-        let pmd = vma_field_bytes(&text, start, "FilePmdMapped:").unwrap_or(0);
+        let pmd = map.huge_bytes().unwrap_or(0);
         Ok((populated && pmd as f64 >= 0.75 * probe as f64).then_some(map))
     }
 
@@ -203,8 +202,7 @@ impl AlignedMap {
 
     /// How many of the mapped bytes the kernel maps with 2 MiB entries now.
     pub fn huge_bytes(&self) -> Option<u64> {
-        let text = std::fs::read_to_string("/proc/self/smaps").ok()?;
-        vma_field_bytes(&text, self.start, "FilePmdMapped:")
+        mapping_field(self.start, "FilePmdMapped:")
     }
 }
 
@@ -347,9 +345,14 @@ impl Frozen {
     /// How many of these bytes' mapping the kernel holds in huge pages now (`AnonHugePages`
     /// of its entry in `/proc/self/smaps`), where it reports it.
     pub fn huge_bytes(&self) -> Option<u64> {
-        let text = std::fs::read_to_string("/proc/self/smaps").ok()?;
-        vma_field_bytes(&text, self.map.as_ptr() as usize, "AnonHugePages:")
+        mapping_field(self.map.as_ptr() as usize, "AnonHugePages:")
     }
+}
+
+/// `field` of this process's mapping that contains `addr` (`/proc/self/smaps`), in bytes.
+fn mapping_field(addr: usize, field: &str) -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    vma_field_bytes(&text, addr, field)
 }
 
 /// A `kB` field (e.g. `AnonHugePages:`), in bytes, of the mapping of `smaps` that contains
