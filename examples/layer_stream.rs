@@ -1,9 +1,9 @@
-//! Times the decode matvecs of a whole 0.6B layer stack (q|k|v, o, gate|up, down x 28) and the
-//! head on the decode team, in GB/s of weights, with the weights in 4 KiB pages and in 2 MiB
-//! pages (`engine/resident.rs`), alternating: how close the projections stream to the machine's
-//! read bandwidth. `bot bench` stays the measure of what users run.
+//! Times the decode matvecs of a whole layer stack (q|k|v, o, gate|up, down) and the head of a
+//! Qwen3 shape on the decode team, in GB/s of weights, with the weights in 4 KiB pages and in
+//! 2 MiB pages (`engine/resident.rs`), alternating: how close the projections stream to the
+//! machine's read bandwidth. `bot bench` stays the measure of what users run.
 //!
-//!   cargo run --release --example layer_stream [rounds] [threads]
+//!   cargo run --release --example layer_stream [rounds] [threads] [qwen3-0.6b|qwen3-8b]
 use std::time::Instant;
 
 use bot::engine::config::QuantParams;
@@ -32,43 +32,75 @@ fn matrix(s: &WeightStore, name: &str, rows: usize, cols: usize) -> QMatrix {
 
 type Layer = ([QMatrix; 3], QMatrix, [QMatrix; 2], QMatrix);
 
-fn load(residency: Residency) -> (Vec<Layer>, QMatrix) {
-    let (_, s) = synthetic::build(Shape::Qwen3_0_6b, 7, residency).expect("build");
-    let layers = (0..28)
+/// (hidden, intermediate, layers, q width, kv width, head tensor) of `shape`.
+fn dims(shape: Shape) -> (usize, usize, usize, usize, usize, &'static str) {
+    let c = shape.config_json();
+    let u = |k: &str| c[k].as_u64().expect("config field") as usize;
+    let head = if c["tie_word_embeddings"].as_bool() == Some(true) {
+        "model.embed_tokens"
+    } else {
+        "lm_head"
+    };
+    let hd = u("head_dim");
+    let (h, i, l) = (
+        u("hidden_size"),
+        u("intermediate_size"),
+        u("num_hidden_layers"),
+    );
+    (
+        h,
+        i,
+        l,
+        u("num_attention_heads") * hd,
+        u("num_key_value_heads") * hd,
+        head,
+    )
+}
+
+fn load(shape: Shape, residency: Residency) -> (Vec<Layer>, QMatrix) {
+    let (h, i, layers, q, kv, head) = dims(shape);
+    let (_, s) = synthetic::build(shape, 7, residency).expect("build");
+    let layers = (0..layers)
         .map(|l| {
             let p = format!("model.layers.{l}");
             let m = |n: &str, r, c| matrix(&s, &format!("{p}.{n}"), r, c);
             (
                 [
-                    m("self_attn.q_proj", 2048, 1024),
-                    m("self_attn.k_proj", 1024, 1024),
-                    m("self_attn.v_proj", 1024, 1024),
+                    m("self_attn.q_proj", q, h),
+                    m("self_attn.k_proj", kv, h),
+                    m("self_attn.v_proj", kv, h),
                 ],
-                m("self_attn.o_proj", 1024, 2048),
-                [m("mlp.gate_proj", 3072, 1024), m("mlp.up_proj", 3072, 1024)],
-                m("mlp.down_proj", 1024, 3072),
+                m("self_attn.o_proj", h, q),
+                [m("mlp.gate_proj", i, h), m("mlp.up_proj", i, h)],
+                m("mlp.down_proj", h, i),
             )
         })
         .collect();
-    (layers, matrix(&s, "model.embed_tokens", 151936, 1024))
+    (layers, matrix(&s, head, 151936, h))
 }
 
 fn main() {
     let mut args = std::env::args().skip(1);
     let rounds: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(5).max(1);
     let threads: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(2);
+    let shape = match args.next().as_deref() {
+        Some("qwen3-8b") => Shape::Qwen3_8b,
+        Some("qwen3-4b") => Shape::Qwen3_4b,
+        _ => Shape::Qwen3_0_6b,
+    };
+    let (h, i, nl, q, kv, _) = dims(shape);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
         .expect("pool");
     let sets = [
-        ("4 KiB pages", load(Residency::Mapped)),
-        ("2 MiB pages", load(Residency::HugeCopied)),
+        ("4 KiB pages", load(shape, Residency::Mapped)),
+        ("2 MiB pages", load(shape, Residency::HugeCopied)),
     ];
     let bytes = |r: usize, c: usize| (r * c / 2 + r * c / 64 * 4) as f64;
     let layer_bytes =
-        28.0 * (bytes(4096, 1024) + bytes(1024, 2048) + bytes(6144, 1024) + bytes(1024, 3072));
-    let xs: Vec<Vec<f32>> = [1024, 2048, 3072]
+        nl as f64 * (bytes(q + 2 * kv, h) + bytes(h, q) + bytes(2 * i, h) + bytes(h, i));
+    let xs: Vec<Vec<f32>> = [h, q, i]
         .iter()
         .map(|&n| {
             (0..n)
@@ -84,7 +116,7 @@ fn main() {
                 bot::engine::cpu::team::Team::lead(|| {
                     let t = Instant::now();
                     let mut s = 0f32;
-                    let mut y = vec![0f32; 1024];
+                    let mut y = vec![0f32; h];
                     for (qkv, o, gu, down) in layers {
                         let ys = qmatvec_shared(&qkv.iter().collect::<Vec<_>>(), &xs[0], k);
                         s += ys.expect("qkv")[0][0];
@@ -103,7 +135,7 @@ fn main() {
                 })
             });
             res[si].0.push(layer_bytes / tl / 1e9);
-            res[si].1.push(bytes(151936, 1024) / th / 1e9);
+            res[si].1.push(bytes(151936, h) / th / 1e9);
         }
     }
     for ((name, _), (l, h)) in sets.iter().zip(&mut res) {

@@ -9,6 +9,7 @@ use std::time::Instant;
 use candle_core::{Device, Tensor};
 
 use crate::engine::config::Qwen3Config;
+use crate::engine::cpu::team::Ahead;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::lora::{Adapter, LoraBranch};
 use crate::engine::profile::{self, Part};
@@ -239,6 +240,20 @@ impl Linear {
             }
         }
         Ok(out.try_into().ok())
+    }
+
+    /// What a decode step's region over these projections (one, or several sharing their
+    /// input) reads first, for the team to read ahead (`cpu::team::read_ahead`); empty for
+    /// weights the CPU's quantized kernel does not run.
+    pub(crate) fn lead_in(ls: &[&Linear]) -> Ahead {
+        let mut ws = Vec::with_capacity(ls.len());
+        for l in ls {
+            match &l.weight {
+                Weight::Quant(q) => ws.push(q.as_ref()),
+                _ => return Ahead::default(),
+            }
+        }
+        crate::engine::cpu::quant::decode_lead_in(&ws)
     }
 
     /// (L, in) -> (L, out)

@@ -13,6 +13,7 @@ use crate::engine::config::Qwen3Config;
 use crate::engine::cpu;
 use crate::engine::cpu::attention::{self, Dims, HostKv};
 use crate::engine::cpu::sample::CpuSampler;
+use crate::engine::cpu::team::{self, Ahead};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::fused::Fused;
 use crate::engine::layers::{
@@ -138,8 +139,15 @@ impl Attention {
         })
     }
 
-    /// x: (L, H); rope: (L, D/2) tables; mask: (L, T) additive or None for L == 1.
-    fn forward(&mut self, x: &Tensor, rope: &Rope, mask: Option<&Tensor>) -> Result<Tensor> {
+    /// x: (L, H); rope: (L, D/2) tables; mask: (L, T) additive or None for L == 1; `next`:
+    /// what the region after `o_proj` reads first.
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        rope: &Rope,
+        mask: Option<&Tensor>,
+        next: Ahead,
+    ) -> Result<Tensor> {
         let l = x.dim(0)?;
         let (nh, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
         let [q, k, v] = Linear::forward_shared([&self.q_proj, &self.k_proj, &self.v_proj], x)?;
@@ -168,6 +176,7 @@ impl Attention {
             );
             let out = Tensor::from_vec(out, (l, nh * hd), q.device())?;
             profile::add(Part::Attention, t0);
+            team::read_ahead(next);
             return self.o_proj.forward(&out);
         }
         // q/k norms act on each head before RoPE, as in mlx_lm
@@ -199,6 +208,7 @@ impl Attention {
             .transpose(0, 1)?
             .reshape((l, nh * hd))?; // (L, Hq*D)
         profile::add(Part::Attention, t0);
+        team::read_ahead(next);
         self.o_proj.forward(&out)
     }
 }
@@ -225,7 +235,9 @@ impl Mlp {
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// `next`: what the region after `down_proj` reads first.
+    fn forward(&self, x: &Tensor, next: Ahead) -> Result<Tensor> {
+        team::read_ahead(Linear::lead_in(&[&self.down_proj]));
         let [g, u] = Linear::forward_shared([&self.gate_proj, &self.up_proj], x)?;
         let host = g.device().is_cpu() && g.dtype() == DType::F32;
         let a = if host && g.is_contiguous() && u.is_contiguous() {
@@ -233,6 +245,7 @@ impl Mlp {
         } else {
             (candle_nn::ops::silu(&g)? * u)?
         };
+        team::read_ahead(next);
         self.down_proj.forward(&a)
     }
 }
@@ -273,11 +286,28 @@ impl DecoderLayer {
         })
     }
 
-    fn forward(&mut self, x: &Tensor, rope: &Rope, mask: Option<&Tensor>) -> Result<Tensor> {
+    /// What this layer's decode step reads first (its q|k|v region), for the layer before.
+    fn lead_in(&self) -> Ahead {
+        let a = &self.self_attn;
+        Linear::lead_in(&[&a.q_proj, &a.k_proj, &a.v_proj])
+    }
+
+    /// `next`: what the step reads after this layer (the next layer's q|k|v, or the head).
+    /// The team's helper reads each region's start ahead once it has no task left in the one
+    /// before (`cpu::team`): `o_proj`'s from q|k|v on, gate|up's from `o_proj`'s, and so on.
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        rope: &Rope,
+        mask: Option<&Tensor>,
+        next: Ahead,
+    ) -> Result<Tensor> {
         let h = candle_nn::ops::rms_norm(x, &self.input_layernorm, self.eps)?;
-        let h = (x + self.self_attn.forward(&h, rope, mask)?)?;
+        team::read_ahead(Linear::lead_in(&[&self.self_attn.o_proj]));
+        let gate_up = Linear::lead_in(&[&self.mlp.gate_proj, &self.mlp.up_proj]);
+        let h = (x + self.self_attn.forward(&h, rope, mask, gate_up)?)?;
         let m = candle_nn::ops::rms_norm(&h, &self.post_attention_layernorm, self.eps)?;
-        Ok((h + self.mlp.forward(&m)?)?)
+        Ok((h + self.mlp.forward(&m, next)?)?)
     }
 }
 
@@ -725,8 +755,11 @@ impl Qwen3 {
         if keep_hidden {
             hidden.push(x.clone());
         }
-        for layer in &mut self.layers {
-            x = layer.forward(&x, &rope, mask.as_ref())?;
+        let head = Linear::lead_in(&[&self.lm_head]);
+        for i in 0..self.layers.len() {
+            let (this, rest) = self.layers.split_at_mut(i + 1);
+            let next = rest.first().map_or(head, DecoderLayer::lead_in);
+            x = this[i].forward(&x, &rope, mask.as_ref(), next)?;
             if keep_hidden {
                 hidden.push(x.clone());
             }

@@ -151,6 +151,27 @@ fn task_rows(rows: usize) -> usize {
     (rows / (rayon::current_num_threads().max(1) * 4)).clamp(8, 1024)
 }
 
+/// The bytes a decode matvec of `ws` (one region: `qmatvec_shared`, or `qmatmul` at m = 1 of
+/// one matrix) reads first: the codes of its first two tasks' first rows, for a team's helper
+/// to read ahead (`team::read_ahead`) before the region opens.
+pub fn decode_lead_in(ws: &[&QMatrix]) -> team::Ahead {
+    let total: usize = ws.iter().map(|w| w.rows).sum();
+    let chunk = task_rows(total);
+    let mut starts = Vec::with_capacity(2);
+    for w in ws {
+        let rb = w.row_bytes();
+        let mut first = 0;
+        while first < w.rows && starts.len() < 2 {
+            let rows = chunk.min(w.rows - first);
+            starts.push(w.packed.get(first * rb..(first + rows) * rb).unwrap_or(&[]));
+            first += rows;
+        }
+    }
+    // the second task is the one a helper claims first: its range goes first
+    starts.reverse();
+    team::Ahead::of(&starts)
+}
+
 /// Splits the output rows over the worker threads: `f(first_row, out)` fills `out`, the
 /// results of rows `first_row..first_row + out.len() / m`, row-major (`m` values per row);
 /// then the results are transposed into `y (m x rows)`.
@@ -1030,5 +1051,37 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The read-ahead hint of a decode region names the first rows of its second task, then
+    /// its first, as the region splits them: one matrix, and several sharing a region
+    /// (q|k|v) whose first matrix has fewer rows than a task.
+    #[test]
+    fn decode_lead_in_names_the_first_two_tasks() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("pool");
+        pool.install(|| {
+            let w = random_qmatrix(256, 64, 4, 64, Dtype::BF16, 1);
+            let rb = w.row_bytes();
+            let chunk = task_rows(256);
+            assert_eq!(chunk, 32);
+            let r = decode_lead_in(&[&w]).ranges();
+            let at = |m: &QMatrix, row: usize| m.packed.as_ptr() as usize + row * rb;
+            assert_eq!(r[0], (at(&w, chunk), chunk * rb));
+            assert_eq!(r[1], (at(&w, 0), chunk * rb));
+            // 48 rows in all, tasks of 8: q is task 0 whole, task 1 is k's first rows
+            let (q, k, v) = (
+                random_qmatrix(8, 64, 4, 64, Dtype::BF16, 2),
+                random_qmatrix(20, 64, 4, 64, Dtype::BF16, 3),
+                random_qmatrix(20, 64, 4, 64, Dtype::BF16, 4),
+            );
+            let chunk = task_rows(48);
+            assert_eq!(chunk, 8);
+            let r = decode_lead_in(&[&q, &k, &v]).ranges();
+            assert_eq!(r[0], (at(&k, 0), chunk * rb));
+            assert_eq!(r[1], (at(&q, 0), 8 * rb));
+        });
     }
 }

@@ -9,6 +9,13 @@
 //! holds the region's number, its task count and the next index: a helper that saw an earlier
 //! region can never claim a task of a later one, so it never calls a closure that is gone.
 //! Outside a team (prefill, tests on a pool, nested calls) `for_each_mut` is rayon's.
+//!
+//! A helper with nothing to claim reads ahead (`read_ahead`): the leader names the bytes the
+//! next region starts on (the first rows of its first two tasks), and while the leader runs
+//! the serial part between regions (norms, attention set-up, residuals) or finishes a
+//! region's last task, the helper prefetches them, so the memory bus is not idle then. At the
+//! 8B shape on 2 threads the leader alone spent ~4.5% of a decode step outside regions and
+//! ~3% waiting at their ends (Zen 4 EPYC); each was time the weights did not stream.
 
 use std::any::Any;
 use std::cell::Cell;
@@ -20,6 +27,83 @@ use rayon::prelude::*;
 
 /// Task indices live in 16 bits of the state word; larger regions go to rayon.
 const MAX_TASKS: usize = u16::MAX as usize;
+
+/// Bytes read ahead at most per range of a hint. The gaps are 20-100 us, 0.3-1.5 MB of
+/// streaming on one core; what does not fit the helper's L2 lands in L3 (a victim cache on
+/// AMD), still far closer than DRAM. Measured with per-token alternation in one run (Zen 4
+/// EPYC, 2 threads): 0.6B decode 17.6 -> 16.3 ms a step at 1 MiB, 8B 137.5 -> 134.9 ms, on
+/// a busier hour no change at any size (256 KiB to 4 MiB).
+pub const AHEAD_BYTES: usize = 1 << 20;
+
+/// What the next region reads first: up to two byte ranges, as addresses (a hint: they are
+/// only ever prefetched, never read, so a range that is gone by then costs nothing).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Ahead {
+    ranges: [(usize, usize); 2],
+}
+
+impl Ahead {
+    /// The first `AHEAD_BYTES` (at most) of each of up to two slices.
+    pub fn of(slices: &[&[u8]]) -> Self {
+        let mut a = Ahead::default();
+        for (r, s) in a.ranges.iter_mut().zip(slices) {
+            *r = (s.as_ptr() as usize, s.len().min(AHEAD_BYTES));
+        }
+        a
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ranges.iter().all(|r| r.1 == 0)
+    }
+
+    /// (address, length) of each range.
+    pub fn ranges(&self) -> [(usize, usize); 2] {
+        self.ranges
+    }
+}
+
+/// Asks the team this thread leads, if it leads one, to read `ahead` into its helpers'
+/// caches while they wait for the next region; replaces the last hint. A no-op elsewhere.
+pub fn read_ahead(ahead: Ahead) {
+    let team = LEADING.with(Cell::get);
+    if team.is_null() || ahead.is_empty() {
+        return;
+    }
+    // SAFETY: `LEADING` is set only inside `Team::lead` on this thread, while the team lives.
+    let team = unsafe { &*team };
+    for (slot, &(addr, len)) in team.ahead.iter().zip(&ahead.ranges) {
+        slot[0].store(addr, Ordering::Relaxed);
+        slot[1].store(len, Ordering::Relaxed);
+    }
+    team.ahead_gen.fetch_add(1, Ordering::Release);
+}
+
+/// A hint to the cache hierarchy: the line at `addr` into L2. A prefetch never faults and
+/// reads nothing the program can see, so any address will do.
+#[inline]
+fn prefetch_line(addr: usize) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch has no effect on memory and cannot fault (see above).
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        _mm_prefetch::<_MM_HINT_T1>(addr as *const i8)
+    }
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: as above (`prfm` is a hint).
+    unsafe {
+        std::arch::asm!("prfm pldl2keep, [{0}]", in(reg) addr, options(nostack, readonly, preserves_flags))
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    let _ = addr;
+}
+
+/// A helper's progress through the current read-ahead hint.
+#[derive(Default)]
+struct Reading {
+    gen: u64,
+    ranges: [(usize, usize); 2],
+    done: usize,
+}
 
 /// `f(item)` for every item, each exactly once, in parallel: on the team this thread leads if it
 /// leads one, else on rayon's pool.
@@ -78,6 +162,10 @@ pub struct Team {
     /// The first panic of a region's tasks, for the leader to resume.
     panic: Mutex<Option<Box<dyn Any + Send>>>,
     stop: AtomicBool,
+    /// The read-ahead hint (`read_ahead`): (address, length) of each range, and a count the
+    /// leader bumps after writing them.
+    ahead: [[AtomicUsize; 2]; 2],
+    ahead_gen: AtomicU64,
 }
 
 // SAFETY: `job` is written only by the leader while no region is open (every task of the last
@@ -92,6 +180,8 @@ impl Team {
             done: AtomicUsize::new(0),
             panic: Mutex::new(None),
             stop: AtomicBool::new(false),
+            ahead: Default::default(),
+            ahead_gen: AtomicU64::new(0),
         }
     }
 
@@ -138,6 +228,7 @@ impl Team {
         // no region has this number: a region open already is joined at once
         let mut seen = u64::MAX;
         let mut idle = 0u32;
+        let mut reading = Reading::default();
         loop {
             let v = self.state.load(Ordering::Acquire);
             if v >> 32 != seen {
@@ -147,10 +238,41 @@ impl Team {
             } else if self.stop.load(Ordering::Acquire) {
                 IN_TEAM.with(|t| t.set(false));
                 return;
+            } else if self.read_ahead_some(&mut reading) {
+                idle = 0;
             } else {
                 pause(&mut idle);
             }
         }
+    }
+
+    /// Prefetches the next 4 KiB of each range of the current hint; false when there is
+    /// nothing left to read ahead. Small steps, so a region that opens is joined soon.
+    fn read_ahead_some(&self, r: &mut Reading) -> bool {
+        const STEP: usize = 4096;
+        let gen = self.ahead_gen.load(Ordering::Acquire);
+        if gen != r.gen {
+            r.gen = gen;
+            r.done = 0;
+            for (range, slot) in r.ranges.iter_mut().zip(&self.ahead) {
+                *range = (
+                    slot[0].load(Ordering::Relaxed),
+                    slot[1].load(Ordering::Relaxed),
+                );
+            }
+        }
+        let mut any = false;
+        for &(addr, len) in &r.ranges {
+            let end = len.min(r.done + STEP);
+            let mut off = r.done;
+            while off < end {
+                prefetch_line(addr.wrapping_add(off));
+                off += 64;
+                any = true;
+            }
+        }
+        r.done += STEP;
+        any
     }
 
     /// Claims and runs tasks of region `region` until it has none left.
@@ -289,6 +411,65 @@ mod tests {
                 "breadth_first {breadth_first}"
             );
         }
+    }
+
+    /// A hint is read ahead 4 KiB a range a call until its longest range is covered, then
+    /// not again; a new hint starts over; `Ahead::of` keeps at most `AHEAD_BYTES` a range.
+    #[test]
+    fn a_helper_reads_each_hint_once() {
+        let team = Team::new();
+        let mut r = Reading::default();
+        assert!(!team.read_ahead_some(&mut r), "no hint yet");
+        let big = vec![1u8; AHEAD_BYTES + 100];
+        let small = vec![2u8; 10_000];
+        let a = Ahead::of(&[&big, &small]);
+        assert_eq!(a.ranges()[0], (big.as_ptr() as usize, AHEAD_BYTES));
+        assert_eq!(a.ranges()[1], (small.as_ptr() as usize, 10_000));
+        let publish = |a: Ahead| {
+            for (slot, &(addr, len)) in team.ahead.iter().zip(&a.ranges()) {
+                slot[0].store(addr, Ordering::Relaxed);
+                slot[1].store(len, Ordering::Relaxed);
+            }
+            team.ahead_gen.fetch_add(1, Ordering::Release);
+        };
+        publish(a);
+        let steps = std::iter::from_fn(|| team.read_ahead_some(&mut r).then_some(())).count();
+        assert_eq!(steps, AHEAD_BYTES / 4096);
+        assert!(!team.read_ahead_some(&mut r), "read once");
+        publish(Ahead::of(&[&small]));
+        let steps = std::iter::from_fn(|| team.read_ahead_some(&mut r).then_some(())).count();
+        assert_eq!(steps, 10_000usize.div_ceil(4096));
+    }
+
+    /// Hints, stale ones included (a buffer freed since), change no result and stop no region:
+    /// a prefetch reads nothing.
+    #[test]
+    fn read_ahead_changes_no_result() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("pool");
+        pool.install(|| {
+            let counts = Team::lead(|| {
+                let mut counts = vec![0u32; 16];
+                for round in 0..200 {
+                    let gone = vec![0u8; 3 << 20];
+                    let stale = Ahead::of(&[&gone]);
+                    drop(gone);
+                    let live = vec![round as u8; 1 << 20];
+                    read_ahead(if round % 2 == 0 {
+                        stale
+                    } else {
+                        Ahead::of(&[&live])
+                    });
+                    for_each_mut(&mut counts, |c| *c += 1);
+                }
+                counts
+            });
+            assert!(counts.iter().all(|&c| c == 200));
+        });
+        // outside a team: nothing to hint
+        read_ahead(Ahead::of(&[&[0u8; 64]]));
     }
 
     /// A panicking task reaches the leader with its own payload, the other tasks still run,
