@@ -221,6 +221,16 @@ impl Linear {
         }
         let t = Instant::now();
         let xs = x.flatten_all()?.to_vec1::<f32>()?;
+        if m == 1 && ls.iter().any(|l| l.lora.is_some()) {
+            if let Some(ys) = Self::matvec_with_lora(ls, &ws, &xs, kernel) {
+                let mut out = Vec::with_capacity(N);
+                for y in ys {
+                    let n = y.len();
+                    out.push(Tensor::from_vec(y, (1, n), x.device())?);
+                }
+                return Ok(out.try_into().ok());
+            }
+        }
         let Some(ys) = crate::engine::cpu::quant::qmatmul_shared(&ws, &xs, m, kernel) else {
             return Ok(None);
         };
@@ -254,6 +264,45 @@ impl Linear {
             }
         }
         crate::engine::cpu::quant::decode_lead_in(&ws)
+    }
+
+    /// A decode row through quantized projections some of which carry LoRA branches, each
+    /// branch split in two: `scale · (x @ a)` (rank-wide) here on the leading thread, then its
+    /// `@ b` inside the region, each task adding it to the rows it computed, so the branches'
+    /// larger half streams on every thread beside the weights instead of after them on one.
+    /// (The bench's time split then counts that half as projections, and the first under
+    /// LoRA.) `None` when a branch has no host copies or the kernel takes another path.
+    fn matvec_with_lora(
+        ls: &[&Linear],
+        ws: &[&QMatrix],
+        xs: &[f32],
+        kernel: Numerics,
+    ) -> Option<Vec<Vec<f32>>> {
+        let t = Instant::now();
+        let mut halves = Vec::with_capacity(ls.len());
+        for (l, w) in ls.iter().zip(ws) {
+            halves.push(match &l.lora {
+                None => None,
+                Some(br) => {
+                    let (a, b, scale) = br.host_parts()?;
+                    // the adapter's shapes were checked against the model's at load
+                    if a.len() % xs.len() != 0 || b.len() != a.len() / xs.len() * w.rows {
+                        return None;
+                    }
+                    Some((b, crate::engine::lora::project_a(a, scale, xs)))
+                }
+            });
+        }
+        profile::add(Part::Lora, t);
+        let then = |i: usize, first: usize, outs: &mut [f32]| {
+            if let Some((b, c)) = &halves[i] {
+                crate::engine::lora::add_b(b, c, first, outs);
+            }
+        };
+        let t = Instant::now();
+        let ys = crate::engine::cpu::quant::qmatvec_shared_then(ws, xs, kernel, Some(&then))?;
+        profile::add(ls[0].part, t);
+        Some(ys)
     }
 
     /// (L, in) -> (L, out)
@@ -299,6 +348,12 @@ impl Linear {
         }
         let t = Instant::now();
         let xs = x.flatten_all()?.to_vec1::<f32>()?;
+        if m == 1 {
+            if let Some(mut ys) = Self::matvec_with_lora(&[self], &[q.as_ref()], &xs, self.kernel) {
+                let y = ys.pop().unwrap_or_default();
+                return Ok(Some(Tensor::from_vec(y, (1, q.rows), x.device())?));
+            }
+        }
         let mut y = vec![0f32; m * q.rows];
         crate::engine::cpu::quant::qmatmul(q, &xs, m, &mut y, self.kernel);
         profile::add(self.part, t);

@@ -574,6 +574,21 @@ pub fn qmatmul_shared(
 /// `None` when they do not all take the integer kernel with the same width and group size:
 /// the caller then runs them one by one.
 pub fn qmatvec_shared(ws: &[&QMatrix], x: &[f32], kernel: Numerics) -> Option<Vec<Vec<f32>>> {
+    qmatvec_shared_then(ws, x, kernel, None)
+}
+
+/// What a decode region's task does to its rows after the matmul: `then(matrix, first row,
+/// outputs)` (a LoRA branch's second half, `lora::add_b`), on the thread that computed them.
+pub type Then<'a> = &'a (dyn Fn(usize, usize, &mut [f32]) + Sync);
+
+/// `qmatvec_shared`, with `then` run on each task's rows inside the region: work that would
+/// otherwise follow the region on the leading thread alone runs on the whole team.
+pub fn qmatvec_shared_then(
+    ws: &[&QMatrix],
+    x: &[f32],
+    kernel: Numerics,
+    then: Option<Then>,
+) -> Option<Vec<Vec<f32>>> {
     let isa = isa::active();
     let split = match kernel {
         Numerics::Fast => true,
@@ -600,7 +615,10 @@ pub fn qmatvec_shared(ws: &[&QMatrix], x: &[f32], kernel: Numerics) -> Option<Ve
         }
     }
     team::for_each_mut(&mut tasks, |(i, first, outs)| {
-        int_task(ws[*i], &a, *first, 1, split, isa, outs)
+        int_task(ws[*i], &a, *first, 1, split, isa, outs);
+        if let Some(then) = then {
+            then(*i, *first, outs);
+        }
     });
     Some(ys)
 }
