@@ -37,6 +37,9 @@ pub struct Report {
     pub prefill_time_split: Vec<(String, f64)>,
     /// The same for decode.
     pub decode_time_split: Vec<(String, f64)>,
+    /// With an adapter on the CPU: how much longer a decode step takes with its branches than
+    /// without, from one more pass that turns them on and off token by token (`lora_cost`).
+    pub lora_decode_cost: Option<f64>,
     /// With `--kernel-times`: GPU time per kernel class over one more decode pass.
     pub kernel_times: Vec<KernelRow>,
     /// The same for that pass's prompt; `us_per_token` is then per prompt token.
@@ -50,6 +53,32 @@ pub struct KernelRow {
     pub share: f64,
     /// Weight bytes read per second while the class ran (projections only).
     pub gb_s: Option<f64>,
+}
+
+/// An adapter's decode cost from one more pass whose steps alternate with and without its
+/// branches, so that a shared machine's busy minutes fall on both alike (separate runs of a
+/// few seconds each differed by more than the cost itself): mean time per step with the
+/// branches over without, minus one.
+fn lora_cost(m: &mut Qwen3, d: &mut Decoder, prompt: &[u32], gen: usize) -> anyhow::Result<f64> {
+    m.reset();
+    let mut id = d.first(m, prompt)?;
+    let mut secs = [0.0f64; 2];
+    let mut steps = [0usize; 2];
+    let mut run = || -> anyhow::Result<()> {
+        for i in 0..gen.max(2) {
+            let off = i % 2;
+            m.suspend_lora(off == 1);
+            let t = Instant::now();
+            id = d.next(m, id)?;
+            secs[off] += t.elapsed().as_secs_f64();
+            steps[off] += 1;
+        }
+        Ok(())
+    };
+    let done = run();
+    m.suspend_lora(false);
+    done?;
+    Ok((secs[0] / steps[0] as f64) / (secs[1] / steps[1] as f64) - 1.0)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -197,6 +226,17 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         )?;
         model.profile_kernels(false);
     }
+    let lora = args.adapter.is_some() || args.synthetic_lora;
+    let lora_decode_cost = if lora && !model.uses_fused_step() {
+        Some(lora_cost(
+            &mut model,
+            &mut decoder,
+            &prompt,
+            args.gen_tokens,
+        )?)
+    } else {
+        None
+    };
     let decode_tok_s = median(dec);
     let bytes = model.weight_bytes_per_token();
     let report = Report {
@@ -205,7 +245,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         kernel: format!("{:?}", opts.kernel).to_lowercase(),
         cpu_isa: engine::cpu::isa::active().name().into(),
         threads: rayon::current_num_threads(),
-        lora: args.adapter.is_some() || args.synthetic_lora,
+        lora,
         sampler: describe(&sampler),
         load_s,
         weights_memory: store.describe_memory(),
@@ -218,6 +258,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         decode_bandwidth_gb_s: bytes as f64 * decode_tok_s / 1e9,
         prefill_time_split: time_split(pre_total),
         decode_time_split: time_split(decode_total),
+        lora_decode_cost,
         kernel_times,
         prefill_kernel_times,
     };
@@ -396,6 +437,12 @@ fn print_table(r: &Report) {
         "decode           {:.2} tok/s ({} tokens)",
         r.decode_tok_s, r.gen_tokens
     );
+    if let Some(c) = r.lora_decode_cost {
+        println!(
+            "LoRA cost        {:+.1}% decode time (branches on and off by turns, one pass)",
+            100.0 * c
+        );
+    }
     println!(
         "peak RSS         {:.1} MiB",
         r.peak_rss_bytes as f64 / (1 << 20) as f64

@@ -340,6 +340,8 @@ pub struct Qwen3 {
     device: Device,
     /// The GPU's fused step, when it runs this model (else candle ops).
     fused: Option<Fused>,
+    /// The LoRA branches taken out by `suspend_lora`, in `linears_mut` order.
+    suspended: Vec<Option<crate::engine::lora::LoraBranch>>,
 }
 
 impl Qwen3 {
@@ -395,6 +397,7 @@ impl Qwen3 {
             device: opts.device.clone(),
             cfg,
             fused: None,
+            suspended: Vec::new(),
         };
         #[cfg(feature = "cuda")]
         if let (Device::Cuda(dev), true) = (&opts.device, opts.cuda_step != CudaStep::Ops) {
@@ -472,6 +475,20 @@ impl Qwen3 {
                 &m.down_proj,
             ]
         })
+    }
+
+    /// Takes the LoRA branches out of the projections (`true`) or puts them back (`false`),
+    /// between steps, for `bot bench` to time an adapter's cost within one run. The fused
+    /// GPU step keeps its own copies: there this changes nothing.
+    pub fn suspend_lora(&mut self, off: bool) {
+        if off && self.suspended.is_empty() {
+            self.suspended = self.linears_mut().map(|l| l.lora.take()).collect();
+        } else if !off && !self.suspended.is_empty() {
+            let branches = std::mem::take(&mut self.suspended);
+            for (l, b) in self.linears_mut().zip(branches) {
+                l.lora = b;
+            }
+        }
     }
 
     /// Every projection and the head, to change their route.

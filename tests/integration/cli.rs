@@ -88,6 +88,44 @@ fn doctor_reports_backends_devices_and_config() {
 /// boundary by default (huge pages where the page cache has them), copied into 2 MiB pages
 /// with `BOT_HUGEPAGES=copy` where transparent huge pages are on, mapped as they are with
 /// `BOT_HUGEPAGES=off`; the speed figures are there each way.
+/// With an adapter, `bot bench` also reports its decode cost from a pass that turns the
+/// branches on and off by turns; without one, no such figure.
+#[test]
+fn bench_reports_the_adapter_cost() {
+    for lora in [true, false] {
+        let mut cmd = Command::cargo_bin("bot").unwrap();
+        cmd.args(["bench", "--model"])
+            .arg(fixtures().join("q4g64"))
+            .args([
+                "--threads",
+                "2",
+                "--prompt-tokens",
+                "4",
+                "--gen-tokens",
+                "6",
+            ])
+            .args(["--repeats", "1", "--json"]);
+        if lora {
+            cmd.arg("--synthetic-lora");
+        }
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(j["lora"], lora);
+        let cost = &j["lora_decode_cost"];
+        if lora {
+            let c = cost.as_f64().unwrap_or(f64::NAN);
+            assert!(c.is_finite() && c > -1.0, "lora_decode_cost {cost}");
+        } else {
+            assert!(cost.is_null(), "lora_decode_cost {cost} without an adapter");
+        }
+    }
+}
+
 #[test]
 fn bench_reports_how_the_weights_are_held() {
     let thp =
