@@ -278,6 +278,10 @@ impl Linear {
         xs: &[f32],
         kernel: Numerics,
     ) -> Option<Vec<Vec<f32>>> {
+        if kernel == Numerics::Exact {
+            // f32 activations take `qmatmul`'s tiled path, with the branch after it
+            return None;
+        }
         let t = Instant::now();
         let mut halves = Vec::with_capacity(ls.len());
         for (l, w) in ls.iter().zip(ws) {
