@@ -65,7 +65,7 @@ fn lora_cost(m: &mut Qwen3, d: &mut Decoder, prompt: &[u32], gen: usize) -> anyh
     let mut secs = [0.0f64; 2];
     let mut steps = [0usize; 2];
     let mut run = || -> anyhow::Result<()> {
-        for i in 0..gen.max(2) {
+        for i in 0..gen {
             let off = i % 2;
             m.suspend_lora(off == 1);
             let t = Instant::now();
@@ -227,7 +227,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         model.profile_kernels(false);
     }
     let lora = args.adapter.is_some() || args.synthetic_lora;
-    let lora_decode_cost = if lora && !model.uses_fused_step() {
+    // two steps at least: one with the branches, one without
+    let lora_decode_cost = if lora && !model.uses_fused_step() && args.gen_tokens >= 2 {
         Some(lora_cost(
             &mut model,
             &mut decoder,

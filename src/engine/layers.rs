@@ -278,8 +278,8 @@ impl Linear {
         xs: &[f32],
         kernel: Numerics,
     ) -> Option<Vec<Vec<f32>>> {
-        if kernel == Numerics::Exact {
-            // f32 activations take `qmatmul`'s tiled path, with the branch after it
+        if !crate::engine::cpu::quant::decode_shared_ok(ws, xs.len(), kernel) {
+            // e.g. f32 activations (`exact`): `qmatmul`'s path, with the branch after it
             return None;
         }
         let t = Instant::now();

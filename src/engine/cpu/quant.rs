@@ -577,6 +577,18 @@ pub fn qmatvec_shared(ws: &[&QMatrix], x: &[f32], kernel: Numerics) -> Option<Ve
     qmatvec_shared_then(ws, x, kernel, None)
 }
 
+/// Whether `qmatvec_shared` runs `ws` against a row of `k` values (else it returns `None`):
+/// the integer kernel for every matrix, one width and one group size.
+pub fn decode_shared_ok(ws: &[&QMatrix], k: usize, kernel: Numerics) -> bool {
+    let isa = isa::active();
+    let Some(w0) = ws.first() else { return false };
+    kernel != Numerics::Exact
+        && w0.cols == k
+        && ws
+            .iter()
+            .all(|w| int_ok(w, isa) && w.cols == k && w.params.group_size == w0.params.group_size)
+}
+
 /// What a decode region's task does to its rows after the matmul: `then(matrix, first row,
 /// outputs)` (a LoRA branch's second half, `lora::add_b`), on the thread that computed them.
 pub type Then<'a> = &'a (dyn Fn(usize, usize, &mut [f32]) + Sync);
@@ -589,21 +601,12 @@ pub fn qmatvec_shared_then(
     kernel: Numerics,
     then: Option<Then>,
 ) -> Option<Vec<Vec<f32>>> {
-    let isa = isa::active();
-    let split = match kernel {
-        Numerics::Fast => true,
-        Numerics::Int8 => false,
-        Numerics::Exact => return None,
-    };
-    let w0 = ws.first()?;
-    let (k, gs) = (w0.cols, w0.params.group_size);
-    if x.len() != k
-        || !ws
-            .iter()
-            .all(|w| int_ok(w, isa) && w.cols == k && w.params.group_size == gs)
-    {
+    if !decode_shared_ok(ws, x.len(), kernel) {
         return None;
     }
+    let isa = isa::active();
+    let split = kernel == Numerics::Fast;
+    let (k, gs) = (ws[0].cols, ws[0].params.group_size);
     let a = IntActs::new(x, 1, k, gs, split, ActLayout::for_isa(isa, split));
     let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; w.rows]).collect();
     let total: usize = ws.iter().map(|w| w.rows).sum();

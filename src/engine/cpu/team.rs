@@ -66,7 +66,7 @@ impl Ahead {
 /// caches while they wait for the next region; replaces the last hint. A no-op elsewhere.
 pub fn read_ahead(ahead: Ahead) {
     let team = LEADING.with(Cell::get);
-    if team.is_null() || ahead.is_empty() {
+    if team.is_null() {
         return;
     }
     // SAFETY: `LEADING` is set only inside `Team::lead` on this thread, while the team lives.
@@ -271,7 +271,9 @@ impl Team {
                 any = true;
             }
         }
-        r.done += STEP;
+        if any {
+            r.done += STEP;
+        }
         any
     }
 
