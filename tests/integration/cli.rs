@@ -88,33 +88,37 @@ fn doctor_reports_backends_devices_and_config() {
 /// boundary by default (huge pages where the page cache has them), copied into 2 MiB pages
 /// with `BOT_HUGEPAGES=copy` where transparent huge pages are on, mapped as they are with
 /// `BOT_HUGEPAGES=off`; the speed figures are there each way.
+/// `bot bench --json` of the q4g64 fixture: 2 threads, a 4-token prompt, one repeat.
+fn bench_q4g64(gen_tokens: &str) -> Command {
+    let mut cmd = Command::cargo_bin("bot").unwrap();
+    cmd.args(["bench", "--model"])
+        .arg(fixtures().join("q4g64"))
+        .args(["--threads", "2", "--prompt-tokens", "4"])
+        .args(["--gen-tokens", gen_tokens, "--repeats", "1", "--json"]);
+    cmd
+}
+
+/// Runs `cmd`, which must succeed, and parses its stdout as JSON.
+fn json_of(cmd: &mut Command) -> serde_json::Value {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// With an adapter, `bot bench` also reports its decode cost from a pass that turns the
 /// branches on and off by turns; without one, no such figure.
 #[test]
 fn bench_reports_the_adapter_cost() {
     for lora in [true, false] {
-        let mut cmd = Command::cargo_bin("bot").unwrap();
-        cmd.args(["bench", "--model"])
-            .arg(fixtures().join("q4g64"))
-            .args([
-                "--threads",
-                "2",
-                "--prompt-tokens",
-                "4",
-                "--gen-tokens",
-                "6",
-            ])
-            .args(["--repeats", "1", "--json"]);
+        let mut cmd = bench_q4g64("6");
         if lora {
             cmd.arg("--synthetic-lora");
         }
-        let out = cmd.output().unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let j = json_of(&mut cmd);
         assert_eq!(j["lora"], lora);
         let cost = &j["lora_decode_cost"];
         if lora {
@@ -139,29 +143,12 @@ fn bench_reports_how_the_weights_are_held() {
         );
     }
     for mode in [None, Some("copy"), Some("off")] {
-        let mut cmd = Command::cargo_bin("bot").unwrap();
-        cmd.args(["bench", "--model"])
-            .arg(fixtures().join("q4g64"))
-            .args([
-                "--threads",
-                "2",
-                "--prompt-tokens",
-                "4",
-                "--gen-tokens",
-                "4",
-            ])
-            .args(["--repeats", "1", "--json"]);
+        let mut cmd = bench_q4g64("4");
         match mode {
             Some(m) => cmd.env("BOT_HUGEPAGES", m),
             None => cmd.env_remove("BOT_HUGEPAGES"),
         };
-        let out = cmd.output().unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let j = json_of(&mut cmd);
         let held = j["weights_memory"].as_str().unwrap().to_string();
         match mode {
             _ if !on => assert!(held.ends_with("MiB mapped in place"), "{held}"),

@@ -52,10 +52,6 @@ impl Ahead {
         a
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.ranges.iter().all(|r| r.1 == 0)
-    }
-
     /// (address, length) of each range.
     pub fn ranges(&self) -> [(usize, usize); 2] {
         self.ranges
