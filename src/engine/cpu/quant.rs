@@ -87,7 +87,7 @@ fn dequant_row(w: &QMatrix, v: &View, n: usize, out: &mut [f32]) {
 fn tiled_gemm(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32]) {
     let k = w.cols;
     let v = View::new(w);
-    for_rows(w.rows, m, y, |first, outs| {
+    for_rows(w, m, y, |first, outs| {
         let nr = outs.len() / m;
         let mut tile = vec![0f32; TILE_ROWS * k];
         for t0 in (0..nr).step_by(TILE_ROWS) {
@@ -151,22 +151,68 @@ fn task_rows(rows: usize) -> usize {
     (rows / (rayon::current_num_threads().max(1) * 4)).clamp(8, 1024)
 }
 
+/// The smallest decode task worth a claim, in bytes of codes.
+const MIN_TASK_BYTES: usize = 256 << 10;
+
+/// The row counts of a decode region's tasks over `rows` rows of `row_bytes` bytes, in the
+/// order they are claimed: `task_rows` each while more than half the rows are left, then a
+/// quarter of what is left per worker pair, down to `MIN_TASK_BYTES`, so the last tasks a
+/// region's threads finish on are short and neither waits long for the other.
+fn decode_tasks(rows: usize, row_bytes: usize) -> Vec<usize> {
+    let most = task_rows(rows);
+    let threads = rayon::current_num_threads().max(1);
+    let least = (MIN_TASK_BYTES / row_bytes.max(1))
+        .next_multiple_of(8)
+        .clamp(8, most);
+    let mut sizes = Vec::new();
+    let mut left = rows;
+    while left > 0 {
+        let want = (left / (2 * threads))
+            .next_multiple_of(8)
+            .clamp(least, most);
+        let take = want.min(left);
+        sizes.push(take);
+        left -= take;
+    }
+    sizes
+}
+
+/// `decode_tasks` over the rows of `ws` one after another, cut where a matrix ends: (matrix,
+/// first row, rows) per task.
+fn decode_tasks_of(ws: &[&QMatrix]) -> Vec<(usize, usize, usize)> {
+    let total: usize = ws.iter().map(|w| w.rows).sum();
+    let mut tasks = Vec::new();
+    let (mut i, mut first) = (0, 0);
+    for mut n in decode_tasks(total, ws.first().map_or(1, |w| w.row_bytes())) {
+        while n > 0 && i < ws.len() {
+            let take = n.min(ws[i].rows - first);
+            if take > 0 {
+                tasks.push((i, first, take));
+            }
+            (n, first) = (n - take, first + take);
+            if first == ws[i].rows {
+                (i, first) = (i + 1, 0);
+            }
+        }
+    }
+    tasks
+}
+
 /// The bytes a decode matvec of `ws` (one region: `qmatvec_shared`, or `qmatmul` at m = 1 of
 /// one matrix) reads first: the codes of its first two tasks' first rows, for a team's helper
 /// to read ahead (`team::read_ahead`) before the region opens.
 pub fn decode_lead_in(ws: &[&QMatrix]) -> team::Ahead {
-    let total: usize = ws.iter().map(|w| w.rows).sum();
-    let chunk = task_rows(total);
-    let mut starts = Vec::with_capacity(2);
-    for w in ws {
-        let rb = w.row_bytes();
-        let mut first = 0;
-        while first < w.rows && starts.len() < 2 {
-            let rows = chunk.min(w.rows - first);
-            starts.push(w.packed.get(first * rb..(first + rows) * rb).unwrap_or(&[]));
-            first += rows;
-        }
-    }
+    let mut starts: Vec<&[u8]> = decode_tasks_of(ws)
+        .into_iter()
+        .take(2)
+        .map(|(i, first, rows)| {
+            let rb = ws[i].row_bytes();
+            ws[i]
+                .packed
+                .get(first * rb..(first + rows) * rb)
+                .unwrap_or(&[])
+        })
+        .collect();
     // the second task is the one a helper claims first: its range goes first
     starts.reverse();
     team::Ahead::of(&starts)
@@ -175,12 +221,19 @@ pub fn decode_lead_in(ws: &[&QMatrix]) -> team::Ahead {
 /// Splits the output rows over the worker threads: `f(first_row, out)` fills `out`, the
 /// results of rows `first_row..first_row + out.len() / m`, row-major (`m` values per row);
 /// then the results are transposed into `y (m x rows)`.
-fn for_rows(rows: usize, m: usize, y: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
+fn for_rows(w: &QMatrix, m: usize, y: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
+    let rows = w.rows;
     let chunk = task_rows(rows);
     if m == 1 {
         // a decode row: on the decode step's team when there is one
-        let mut parts: Vec<_> = y.chunks_mut(chunk).enumerate().collect();
-        team::for_each_mut(&mut parts, |(c, ys)| f(*c * chunk, ys));
+        let mut parts = Vec::new();
+        let mut rest = y;
+        for (_, first, n) in decode_tasks_of(&[w]) {
+            let (part, tail) = std::mem::take(&mut rest).split_at_mut(n);
+            rest = tail;
+            parts.push((first, part));
+        }
+        team::for_each_mut(&mut parts, |(first, ys)| f(*first, ys));
         return;
     }
     let mut yt = vec![0f32; rows * m];
@@ -216,7 +269,7 @@ fn exact(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32]) {
     let (gs, bits, k) = (w.params.group_size, w.params.bits, w.cols);
     let gb = gs * bits / 8;
     let v = View::new(w);
-    for_rows(w.rows, m, y, |first, outs| {
+    for_rows(w, m, y, |first, outs| {
         let mut codes = [0u8; 128];
         let mut deq = [0f32; 128];
         for (j, out) in outs.chunks_exact_mut(m).enumerate() {
@@ -510,7 +563,7 @@ fn int_q4(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], split: bool, isa: Isa
         split,
         ActLayout::for_isa(isa, split),
     );
-    for_rows(w.rows, m, y, |first, outs| {
+    for_rows(w, m, y, |first, outs| {
         int_task(w, &a, first, m, split, isa, outs)
     });
 }
@@ -609,13 +662,12 @@ pub fn qmatvec_shared_then(
     let (k, gs) = (ws[0].cols, ws[0].params.group_size);
     let a = IntActs::new(x, 1, k, gs, split, ActLayout::for_isa(isa, split));
     let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; w.rows]).collect();
-    let total: usize = ws.iter().map(|w| w.rows).sum();
-    let chunk = task_rows(total);
     let mut tasks = Vec::new();
-    for (i, y) in ys.iter_mut().enumerate() {
-        for (c, part) in y.chunks_mut(chunk).enumerate() {
-            tasks.push((i, c * chunk, part));
-        }
+    let mut rest: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
+    for (i, first, rows) in decode_tasks_of(ws) {
+        let (part, tail) = std::mem::take(&mut rest[i]).split_at_mut(rows);
+        rest[i] = tail;
+        tasks.push((i, first, part));
     }
     team::for_each_mut(&mut tasks, |(i, first, outs)| {
         int_task(ws[*i], &a, *first, 1, split, isa, outs);
@@ -1072,6 +1124,45 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A decode region's tasks cover each row of each matrix once, in order, none past a
+    /// matrix's end; none bigger than `task_rows`, and they shrink toward the end, down to
+    /// `MIN_TASK_BYTES` (the 8B shape's q|k|v, down and head, and a small odd one).
+    #[test]
+    fn decode_tasks_cover_every_row_and_end_short() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("pool");
+        pool.install(|| {
+            for (rows, k) in [
+                (vec![4096, 1024, 1024], 4096),
+                (vec![4096], 12288),
+                (vec![151936], 4096),
+                (vec![8, 20, 20], 64),
+            ] {
+                let ws: Vec<QMatrix> = rows
+                    .iter()
+                    .map(|&r| random_qmatrix(r, k, 4, 64, Dtype::BF16, 1))
+                    .collect();
+                let refs: Vec<&QMatrix> = ws.iter().collect();
+                let tasks = decode_tasks_of(&refs);
+                let mut next = vec![0; ws.len()];
+                let mut last = 0;
+                for &(i, first, n) in &tasks {
+                    assert!(i >= last, "{rows:?}: matrix {i} after {last}");
+                    assert_eq!(first, next[i], "{rows:?}: a gap or overlap in matrix {i}");
+                    assert!(n > 0 && first + n <= rows[i], "{rows:?}: task {first}+{n}");
+                    assert!(n <= task_rows(rows.iter().sum()), "{rows:?}: {n} rows");
+                    (next[i], last) = (first + n, i);
+                }
+                assert_eq!(next, rows, "{rows:?}: not every row");
+                let least = (MIN_TASK_BYTES / (k / 2)).next_multiple_of(8).max(8);
+                let (_, _, tail) = tasks[tasks.len() - 1];
+                assert!(tail <= least, "{rows:?}: the last task has {tail} rows");
+            }
+        });
     }
 
     /// The read-ahead hint of a decode region names the first rows of its second task, then
