@@ -68,12 +68,12 @@ impl CpuSampler {
             decided = true;
             tau = top_p_threshold(&mut self.pool, limit);
         }
-        let keep = |c: &Cand| c.v >= tau && c.v - m >= p.ln_min_p && c.v > f32::NEG_INFINITY;
-        self.pool.retain(keep);
+        let keep = |c: &Cand| (c.v >= tau) & (c.v - m >= p.ln_min_p) & (c.v > f32::NEG_INFINITY);
+        retain(&mut self.pool, keep);
         let k = p.top_k as usize;
         if !(decided || all || (k != 0 && self.pool.len() >= k)) {
             self.fill_all(x, m);
-            self.pool.retain(keep);
+            retain(&mut self.pool, keep);
         }
         if k != 0 && self.pool.len() > k {
             self.pool
@@ -97,11 +97,65 @@ impl CpuSampler {
     }
 }
 
+/// `Vec::retain` without a branch on `keep` per token: each one is written to the next free
+/// place and the place advances when it is kept (top-p cuts a flat distribution's pool
+/// at a random place of every line, and there the branch is mispredicted half the time).
+fn retain(pool: &mut Vec<Cand>, keep: impl Fn(&Cand) -> bool) {
+    let mut n = 0;
+    for j in 0..pool.len() {
+        let c = pool[j];
+        pool[n] = c;
+        n += keep(&c) as usize;
+    }
+    pool.truncate(n);
+}
+
+/// Value buckets of `top_p_threshold`'s first pass.
+const BUCKETS: usize = 2048;
+
 /// The smallest value in `pool` whose strictly-greater mass is below `limit`. `pool` holds
 /// every token at least as likely as its least likely member (an up-set), so that mass is
-/// known within it. Weighted quickselect: expected linear time, `pool` reordered.
+/// known within it; `pool` is reordered. A large pool (a flat distribution keeps most of the
+/// vocabulary) is first bucketed by value, most likely first: the answer lies in the first
+/// bucket whose running mass reaches `limit`, and only that bucket is searched.
 fn top_p_threshold(pool: &mut [Cand], limit: u64) -> f32 {
-    let (mut lo, mut hi, mut base) = (0, pool.len(), 0u64);
+    if pool.len() > 4 * BUCKETS {
+        let (lo, hi) = pool
+            .iter()
+            .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), c| {
+                (a.min(c.v), b.max(c.v))
+            });
+        if lo.is_finite() && hi.is_finite() && hi > lo {
+            let scale = (BUCKETS - 1) as f32 / (hi - lo);
+            // monotone: a larger value never lands in a later bucket, equal ones share one
+            let at = |v: f32| (((hi - v) * scale) as usize).min(BUCKETS - 1);
+            let mut mass = vec![0u64; BUCKETS];
+            for c in pool.iter() {
+                mass[at(c.v)] += c.q;
+            }
+            let mut above = 0u64;
+            for (b, &mb) in mass.iter().enumerate() {
+                if above + mb >= limit {
+                    let mut n = 0;
+                    for j in 0..pool.len() {
+                        if at(pool[j].v) == b {
+                            pool.swap(n, j);
+                            n += 1;
+                        }
+                    }
+                    return select_threshold(&mut pool[..n], limit, above);
+                }
+                above += mb;
+            }
+        }
+    }
+    select_threshold(pool, limit, 0)
+}
+
+/// `top_p_threshold` by weighted quickselect over `pool`, above which lies `base` mass of
+/// tokens that all qualify: expected linear time, `pool` reordered.
+fn select_threshold(pool: &mut [Cand], limit: u64, base: u64) -> f32 {
+    let (mut lo, mut hi, mut base) = (0, pool.len(), base);
     let mut best = f32::INFINITY;
     while lo < hi {
         let s = &mut pool[lo..hi];
@@ -351,6 +405,39 @@ pub(crate) mod avx2 {
                 for (x, y) in c.iter().zip(out) {
                     assert_eq!(y.to_bits(), exp_neg(*x).to_bits(), "exp({x})");
                 }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::sample::testutil::logit_cases;
+
+    /// The bucketed threshold is the quickselect's over the whole pool: every logit case of a
+    /// vocabulary-sized pool (flat, ties, spread, peaked, -inf entries), limits from a sliver of
+    /// the mass to all of it.
+    #[test]
+    fn bucketed_top_p_threshold_is_the_plain_one() {
+        for (name, x) in logit_cases(60_000, 3) {
+            let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let pool: Vec<Cand> = x
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| Cand {
+                    v,
+                    i: i as u32,
+                    q: mass(exp_neg(v - m)),
+                })
+                .collect();
+            assert!(pool.len() > 4 * BUCKETS);
+            let total: u64 = pool.iter().map(|c| c.q).sum();
+            for f in [1e-6, 0.01, 0.3, 0.5, 0.9, 0.95, 0.999, 1.0] {
+                let limit = ((total as f64 * f) as u64).max(1);
+                let want = select_threshold(&mut pool.clone(), limit, 0);
+                let got = top_p_threshold(&mut pool.clone(), limit);
+                assert_eq!(got.to_bits(), want.to_bits(), "{name}, {f} of the mass");
             }
         }
     }

@@ -367,7 +367,19 @@ pub fn gumbel(d: Draw, i: u32) -> f32 {
 /// `gumbel` with the draw's key computed once.
 #[inline]
 pub fn gumbel_keyed(key: u64, i: u32) -> f32 {
-    -(-uniform_keyed(key, i).ln()).ln()
+    gumbel_of(uniform_keyed(key, i))
+}
+
+#[inline]
+fn gumbel_of(u: f32) -> f32 {
+    -(-u.ln()).ln()
+}
+
+/// A uniform below which the Gumbel variate is certainly below `g`: `exp(-exp(-(g - 0.01)))`
+/// in f64. The margin is thousands of times the f32 error of `gumbel_of` (a few ulps of
+/// values under 18), so no draw the bound skips could have reached `g` once rounded.
+fn uniform_floor(g: f32) -> f64 {
+    (-(-(g as f64 - 0.01)).exp()).exp()
 }
 
 /// The distinct ids among the last `context` of `history`, for the penalty.
@@ -498,11 +510,24 @@ pub(crate) fn best_draw(
 ) -> u32 {
     let key = draw_key(d);
     let (mut best, mut best_id) = (f32::NEG_INFINITY, u32::MAX);
+    // No `(x - m) * inv_temp` is above 0 (x <= m), so a token whose Gumbel variate is below
+    // `best` cannot win: its uniform is compared with `floor` instead of taking two logarithms
+    // (a flat distribution keeps most of the vocabulary, and then nearly every token is
+    // skipped so). The ids are exactly those of the plain loop (`best_draw_plain`, tested).
+    let screen = inv_temp >= 0.0 && inv_temp.is_finite();
+    let mut floor = 0f64;
     for (v, i) in kept {
-        let s = (v - m) * inv_temp + gumbel_keyed(key, i);
+        let u = uniform_keyed(key, i);
+        if (u as f64) < floor && v <= m {
+            continue;
+        }
+        let s = (v - m) * inv_temp + gumbel_of(u);
         if s > best || (s == best && i < best_id) {
             best = s;
             best_id = i;
+            if screen {
+                floor = uniform_floor(best);
+            }
         }
     }
     if best_id == u32::MAX {
@@ -671,6 +696,49 @@ mod tests {
     use super::*;
     use crate::engine::cpu::sample::CpuSampler;
     use crate::engine::sample::testutil::*;
+
+    /// `best_draw` without the screen: every kept token's Gumbel variate computed.
+    fn best_draw_plain(kept: &[(f32, u32)], m: f32, inv_temp: f32, d: Draw) -> u32 {
+        let (mut best, mut best_id) = (f32::NEG_INFINITY, u32::MAX);
+        for &(v, i) in kept {
+            let s = (v - m) * inv_temp + gumbel(d, i);
+            if s > best || (s == best && i < best_id) {
+                (best, best_id) = (s, i);
+            }
+        }
+        if best_id == u32::MAX {
+            0
+        } else {
+            best_id
+        }
+    }
+
+    /// The screened draw picks the plain loop's id on every logit case (flat, ties, -inf
+    /// entries, spread, peaked), over all tokens and over the top half, at four temperatures
+    /// and 64 draws each.
+    #[test]
+    fn screened_draw_is_the_plain_draw() {
+        for (name, x) in logit_cases(20_000, 11) {
+            let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let all: Vec<(f32, u32)> = x.iter().copied().zip(0..).collect();
+            let mut top = all.clone();
+            top.sort_by(|a, b| b.0.total_cmp(&a.0));
+            top.truncate(all.len() / 2);
+            for kept in [&all, &top] {
+                for inv_temp in [0.25f32, 1.0, 1.0 / 0.7, 8.0] {
+                    for counter in 0..64 {
+                        let d = Draw { seed: 5, counter };
+                        assert_eq!(
+                            best_draw(kept.iter().copied(), m, inv_temp, d),
+                            best_draw_plain(kept, m, inv_temp, d),
+                            "{name}, 1/T {inv_temp}, draw {counter}, {} kept",
+                            kept.len()
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn fast_sampler_keeps_the_reference_set_and_draws_from_it() {
