@@ -93,7 +93,8 @@ KFN uint sample_hash32(uint x) {
 // The Gumbel variate of token i under the per-token key (engine::sample::gumbel).
 KFN float sample_gumbel(k_u64 key, uint i) {
     const uint h = sample_hash32(sample_hash32((i * 0x9E3779B9u) ^ (uint)key) ^ (uint)(key >> 32));
-    const float u = ((float)(h >> 8) + 0.5f) * (1.0f / 16777216.0f);
+    // the top 24 bits' last value would round to 1 (a Gumbel variate of +inf): the f32 below 1
+    const float u = (h >> 8) == 0xFFFFFFu ? 0.99999994f : ((float)(h >> 8) + 0.5f) * (1.0f / 16777216.0f);
     return -klog(-klog(u));
 }
 

@@ -354,7 +354,19 @@ pub fn uniform(d: Draw, i: u32) -> f32 {
 
 #[inline]
 fn uniform_keyed(key: u64, i: u32) -> f32 {
-    let h = hash32(hash32(i.wrapping_mul(0x9E37_79B9) ^ key as u32) ^ (key >> 32) as u32);
+    uniform_of_hash(hash32(
+        hash32(i.wrapping_mul(0x9E37_79B9) ^ key as u32) ^ (key >> 32) as u32,
+    ))
+}
+
+/// `(top 24 bits + 0.5) / 2^24`, but never 1: in f32 the top value, 2^24 - 0.5, rounds to 2^24
+/// (ties to even), and a uniform of 1 is a Gumbel variate of +inf, a draw that would win
+/// whatever its logit (once in 2^24 kept tokens). That one value takes the largest f32 below 1.
+#[inline]
+fn uniform_of_hash(h: u32) -> f32 {
+    if h >> 8 == 0x00FF_FFFF {
+        return 1.0 - f32::EPSILON / 2.0;
+    }
     ((h >> 8) as f32 + 0.5) * (1.0 / (1u32 << 24) as f32)
 }
 
@@ -696,6 +708,17 @@ mod tests {
     use super::*;
     use crate::engine::cpu::sample::CpuSampler;
     use crate::engine::sample::testutil::*;
+
+    /// Every hash maps strictly inside (0, 1), the top one included, so every Gumbel variate
+    /// is finite; the order of the hashes is kept.
+    #[test]
+    fn uniforms_of_the_extreme_hashes_are_inside_the_interval() {
+        let top = uniform_of_hash(u32::MAX);
+        assert!(top < 1.0, "the top hash gives {top}");
+        assert!(gumbel_of(top).is_finite());
+        assert!(uniform_of_hash(0xFFFF_FEFF) < top);
+        assert!(uniform_of_hash(0) > 0.0 && gumbel_of(uniform_of_hash(0)).is_finite());
+    }
 
     /// `best_draw` without the screen: every kept token's Gumbel variate computed.
     fn best_draw_plain(kept: &[(f32, u32)], m: f32, inv_temp: f32, d: Draw) -> u32 {
