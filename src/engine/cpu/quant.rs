@@ -198,6 +198,22 @@ fn decode_tasks_of(ws: &[&QMatrix]) -> Vec<(usize, usize, usize)> {
     tasks
 }
 
+/// `decode_tasks_of(ws)` with each task's slice of its matrix's output (`ys[i]`: one value
+/// per row of `ws[i]`): (matrix, first row, outputs).
+fn decode_parts<'a>(
+    ws: &[&QMatrix],
+    mut ys: Vec<&'a mut [f32]>,
+) -> Vec<(usize, usize, &'a mut [f32])> {
+    decode_tasks_of(ws)
+        .into_iter()
+        .map(|(i, first, rows)| {
+            let (part, rest) = std::mem::take(&mut ys[i]).split_at_mut(rows);
+            ys[i] = rest;
+            (i, first, part)
+        })
+        .collect()
+}
+
 /// The bytes a decode matvec of `ws` (one region: `qmatvec_shared`, or `qmatmul` at m = 1 of
 /// one matrix) reads first: the codes of its first two tasks' first rows, for a team's helper
 /// to read ahead (`team::read_ahead`) before the region opens.
@@ -222,20 +238,13 @@ pub fn decode_lead_in(ws: &[&QMatrix]) -> team::Ahead {
 /// results of rows `first_row..first_row + out.len() / m`, row-major (`m` values per row);
 /// then the results are transposed into `y (m x rows)`.
 fn for_rows(w: &QMatrix, m: usize, y: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
-    let rows = w.rows;
-    let chunk = task_rows(rows);
     if m == 1 {
         // a decode row: on the decode step's team when there is one
-        let mut parts = Vec::new();
-        let mut rest = y;
-        for (_, first, n) in decode_tasks_of(&[w]) {
-            let (part, tail) = std::mem::take(&mut rest).split_at_mut(n);
-            rest = tail;
-            parts.push((first, part));
-        }
-        team::for_each_mut(&mut parts, |(first, ys)| f(*first, ys));
+        let mut parts = decode_parts(&[w], vec![y]);
+        team::for_each_mut(&mut parts, |(_, first, ys)| f(*first, ys));
         return;
     }
+    let (rows, chunk) = (w.rows, task_rows(w.rows));
     let mut yt = vec![0f32; rows * m];
     yt.par_chunks_mut(chunk * m)
         .enumerate()
@@ -662,13 +671,7 @@ pub fn qmatvec_shared_then(
     let (k, gs) = (ws[0].cols, ws[0].params.group_size);
     let a = IntActs::new(x, 1, k, gs, split, ActLayout::for_isa(isa, split));
     let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; w.rows]).collect();
-    let mut tasks = Vec::new();
-    let mut rest: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
-    for (i, first, rows) in decode_tasks_of(ws) {
-        let (part, tail) = std::mem::take(&mut rest[i]).split_at_mut(rows);
-        rest[i] = tail;
-        tasks.push((i, first, part));
-    }
+    let mut tasks = decode_parts(ws, ys.iter_mut().map(|y| y.as_mut_slice()).collect());
     team::for_each_mut(&mut tasks, |(i, first, outs)| {
         int_task(ws[*i], &a, *first, 1, split, isa, outs);
         if let Some(then) = then {
