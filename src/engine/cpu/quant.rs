@@ -378,13 +378,38 @@ impl IntActs {
         };
         let k16 = a.k16();
         let qmax = if split { 16383.0 } else { 127.0 };
-        let mut q = vec![0i32; nb * 32];
+        let mut q = Vec::new();
         for i in 0..m {
             let xr = &x[i * k..(i + 1) * k];
             let d = &mut a.d[i * nb..(i + 1) * nb];
             let gsum = &mut a.gsum[i * (k / gs)..(i + 1) * (k / gs)];
-            quantize_row(&xr[..nb * 32], qmax, d, &mut q);
             group_sums(xr, gs, gsum);
+            #[cfg(target_arch = "x86_64")]
+            if halves && isa::active().avx2() {
+                let r = i * k / 2..(i + 1) * k / 2;
+                let (eh, oh) = if split {
+                    (&mut a.eh[r.clone()], &mut a.oh[r.clone()])
+                } else {
+                    (&mut [][..], &mut [][..])
+                };
+                // SAFETY: the active instruction set has AVX2 and FMA; the slices are this
+                // row's (`nb` blocks: `k / 2` codes each, `nb` scales).
+                unsafe {
+                    crate::engine::cpu::x86::quantize_halves_avx2(
+                        &xr[..nb * 32],
+                        qmax,
+                        split,
+                        d,
+                        &mut a.el[r.clone()],
+                        &mut a.ol[r],
+                        eh,
+                        oh,
+                    )
+                };
+                continue;
+            }
+            q.resize(nb * 32, 0);
+            quantize_row(&xr[..nb * 32], qmax, d, &mut q);
             for (b, qb) in q.chunks_exact(32).enumerate() {
                 if halves {
                     let at = i * k / 2 + b * 16;
@@ -1064,11 +1089,20 @@ mod tests {
                 vec![]
             };
             for i in 0..m {
+                // every row of each layout is the scalar definition's codes and scales
+                let (mut di, mut qi) = (vec![0f32; nb], vec![0i32; k]);
+                quantize_row_scalar(&x[i * k..(i + 1) * k], qmax, &mut di, &mut qi);
+                assert_eq!(
+                    h.d[i * nb..(i + 1) * nb]
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect::<Vec<_>>(),
+                    di.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "row {i} split {split}"
+                );
                 for b in 0..nb {
                     for j in 0..32 {
-                        if i == 0 {
-                            assert_eq!(h.code(i, b, j), q0[b * 32 + j]);
-                        }
+                        assert_eq!(h.code(i, b, j), qi[b * 32 + j], "{i} {b} {j} {split}");
                         for w in &layouts {
                             assert_eq!(w.code(i, b, j), h.code(i, b, j), "{i} {b} {j}");
                         }
