@@ -43,6 +43,16 @@ fn rms_norm_weight(store: &WeightStore, name: &str, dim: usize, dev: &Device) ->
     t.to_candle_f32(dev)
 }
 
+/// RMSNorm of hidden rows: on the CPU over host slices (`cpu::norm`), elsewhere candle's op.
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
+    if x.device().is_cpu() && x.dtype() == DType::F32 && w.dtype() == DType::F32 {
+        return Ok(x
+            .contiguous()?
+            .apply_op2_no_bwd(w, &cpu::norm::RmsNorm { eps })?);
+    }
+    Ok(candle_nn::ops::rms_norm(x, w, eps)?)
+}
+
 /// A checkpoint with more layers than its config names is not the model the config
 /// describes (a truncated config, or weights of another model): refused, not half-used.
 fn check_layer_count(cfg: &Qwen3Config, store: &WeightStore) -> Result<()> {
@@ -302,11 +312,11 @@ impl DecoderLayer {
         mask: Option<&Tensor>,
         next: Ahead,
     ) -> Result<Tensor> {
-        let h = candle_nn::ops::rms_norm(x, &self.input_layernorm, self.eps)?;
+        let h = rms_norm(x, &self.input_layernorm, self.eps)?;
         team::read_ahead(Linear::lead_in(&[&self.self_attn.o_proj]));
         let gate_up = Linear::lead_in(&[&self.mlp.gate_proj, &self.mlp.up_proj]);
         let h = (x + self.self_attn.forward(&h, rope, mask, gate_up)?)?;
-        let m = candle_nn::ops::rms_norm(&h, &self.post_attention_layernorm, self.eps)?;
+        let m = rms_norm(&h, &self.post_attention_layernorm, self.eps)?;
         Ok((h + self.mlp.forward(&m, next)?)?)
     }
 }
@@ -787,7 +797,7 @@ impl Qwen3 {
         } else {
             x.narrow(0, l - 1, 1)?
         };
-        let x = candle_nn::ops::rms_norm(&x, &self.norm, self.cfg.rms_norm_eps as f32)?;
+        let x = rms_norm(&x, &self.norm, self.cfg.rms_norm_eps as f32)?;
         if keep_hidden {
             hidden.push(x.clone());
         }

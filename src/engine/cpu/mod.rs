@@ -7,6 +7,7 @@ pub mod attention;
 pub mod gemm;
 pub mod heap;
 pub mod isa;
+pub mod norm;
 pub mod quant;
 pub mod sample;
 pub mod team;
