@@ -14,7 +14,7 @@ const ROWS_PER_TASK: usize = 16;
 /// `out[r] = x[r] · (1 / sqrt(mean(x[r]²) + eps)) · w` for each row `r` of width `w.len()`.
 pub fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let n = w.len();
-    assert!(n > 0 && x.len() == out.len() && x.len() % n == 0);
+    assert!(n > 0 && x.len() == out.len() && x.len().is_multiple_of(n));
     let row = |(x, out): (&[f32], &mut [f32])| {
         // eight partial sums (`dot`), which the compiler keeps in vector registers
         let r = 1.0 / (dot(x, x) / n as f32 + eps).sqrt();
