@@ -10,6 +10,7 @@
 
 use rayon::prelude::*;
 
+use crate::engine::cpu::host_f32;
 use crate::engine::sample::exp_neg;
 
 /// Values a task takes in a prompt's pass (below this, one thread does it all).
@@ -90,20 +91,16 @@ impl candle_core::CustomOp2 for SiluMul {
         s2: &candle_core::CpuStorage,
         l2: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        use candle_core::CpuStorage;
-        let (CpuStorage::F32(g), CpuStorage::F32(u)) = (s1, s2) else {
-            candle_core::bail!("silu-mul takes f32 tensors");
-        };
+        let (g, u) = (
+            host_f32(self.name(), s1, l1)?,
+            host_f32(self.name(), s2, l2)?,
+        );
         if l1.shape() != l2.shape() {
             candle_core::bail!("silu-mul: shapes {:?} and {:?}", l1.shape(), l2.shape());
         }
-        let (Some((g0, g1)), Some((u0, u1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
-        else {
-            candle_core::bail!("silu-mul: inputs must be contiguous");
-        };
-        let mut out = vec![0f32; g1 - g0];
-        silu_mul(&g[g0..g1], &u[u0..u1], &mut out);
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
+        let mut out = vec![0f32; g.len()];
+        silu_mul(g, u, &mut out);
+        Ok((candle_core::CpuStorage::F32(out), l1.shape().clone()))
     }
 }
 

@@ -13,3 +13,19 @@ pub mod sample;
 pub mod team;
 pub mod vnni;
 pub mod x86;
+
+/// The f32 values a CPU candle op reads: `s` within its contiguous layout `l`; else an error
+/// naming the op.
+pub(crate) fn host_f32<'a>(
+    op: &str,
+    s: &'a candle_core::CpuStorage,
+    l: &candle_core::Layout,
+) -> candle_core::Result<&'a [f32]> {
+    let candle_core::CpuStorage::F32(v) = s else {
+        candle_core::bail!("{op} takes f32 tensors");
+    };
+    let Some((a, b)) = l.contiguous_offsets() else {
+        candle_core::bail!("{op}: inputs must be contiguous");
+    };
+    Ok(&v[a..b])
+}

@@ -6,6 +6,7 @@
 
 use rayon::prelude::*;
 
+use crate::engine::cpu::host_f32;
 use crate::engine::cpu::quant::dot;
 
 /// Rows a prompt's norm hands each rayon task (below twice this, one thread does it all).
@@ -48,14 +49,10 @@ impl candle_core::CustomOp2 for RmsNorm {
         s2: &candle_core::CpuStorage,
         l2: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        use candle_core::CpuStorage;
-        let (CpuStorage::F32(x), CpuStorage::F32(w)) = (s1, s2) else {
-            candle_core::bail!("host-rms-norm takes f32 tensors");
-        };
-        let (Some((x0, x1)), Some((w0, w1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
-        else {
-            candle_core::bail!("host-rms-norm: inputs must be contiguous");
-        };
+        let (x, w) = (
+            host_f32(self.name(), s1, l1)?,
+            host_f32(self.name(), s2, l2)?,
+        );
         let d = l1.shape().dims().last().copied().unwrap_or(0);
         if l2.shape().dims() != [d] || d == 0 {
             candle_core::bail!(
@@ -64,9 +61,9 @@ impl candle_core::CustomOp2 for RmsNorm {
                 l1.shape()
             );
         }
-        let mut out = vec![0f32; x1 - x0];
-        rms_norm_rows(&x[x0..x1], &w[w0..w1], self.eps, &mut out);
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
+        let mut out = vec![0f32; x.len()];
+        rms_norm_rows(x, w, self.eps, &mut out);
+        Ok((candle_core::CpuStorage::F32(out), l1.shape().clone()))
     }
 }
 
