@@ -278,9 +278,25 @@ impl Linear {
         xs: &[f32],
         kernel: Numerics,
     ) -> Option<Vec<Vec<f32>>> {
+        let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; w.rows]).collect();
+        let outs = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
+        let mut acts = crate::engine::cpu::quant::IntActs::empty();
+        Self::matvec_into(ls, ws, xs, kernel, &mut acts, outs).then_some(ys)
+    }
+
+    /// `matvec_with_lora` into the caller's buffers (`quant::qmatvec_shared_into`), for any
+    /// mix of branches (none too); `false`, nothing written, where it does not apply.
+    fn matvec_into(
+        ls: &[&Linear],
+        ws: &[&QMatrix],
+        xs: &[f32],
+        kernel: Numerics,
+        acts: &mut crate::engine::cpu::quant::IntActs,
+        ys: Vec<&mut [f32]>,
+    ) -> bool {
         if !crate::engine::cpu::quant::decode_shared_ok(ws, xs.len(), kernel) {
             // e.g. f32 activations (`exact`): `qmatmul`'s path, with the branch after it
-            return None;
+            return false;
         }
         let t = Instant::now();
         let mut halves = Vec::with_capacity(ls.len());
@@ -288,25 +304,71 @@ impl Linear {
             halves.push(match &l.lora {
                 None => None,
                 Some(br) => {
-                    let (a, b, scale) = br.host_parts()?;
+                    let Some((a, b, scale)) = br.host_parts() else {
+                        return false;
+                    };
                     // the adapter's shapes were checked against the model's at load
                     if a.len() % xs.len() != 0 || b.len() != a.len() / xs.len() * w.rows {
-                        return None;
+                        return false;
                     }
                     Some((b, crate::engine::lora::project_a(a, scale, xs)))
                 }
             });
         }
-        profile::add(Part::Lora, t);
+        let lora = halves.iter().any(Option::is_some);
+        if lora {
+            profile::add(Part::Lora, t);
+        }
         let then = |i: usize, first: usize, outs: &mut [f32]| {
             if let Some((b, c)) = &halves[i] {
                 crate::engine::lora::add_b(b, c, first, outs);
             }
         };
+        let then: Option<crate::engine::cpu::quant::Then> = if lora { Some(&then) } else { None };
         let t = Instant::now();
-        let ys = crate::engine::cpu::quant::qmatvec_shared_then(ws, xs, kernel, Some(&then))?;
+        let done = crate::engine::cpu::quant::qmatvec_shared_into(ws, xs, kernel, then, acts, ys);
         profile::add(ls[0].part, t);
-        Some(ys)
+        done
+    }
+
+    /// `forward_shared` of one row on host slices, into `ys` (one value per output of each
+    /// of `ls`): the CPU decode step's path (`Qwen3::decode_host`). The integer kernel writes
+    /// there directly, LoRA branches included; anything else goes through `forward_shared`
+    /// and is copied over.
+    pub(crate) fn forward_host<const N: usize>(
+        ls: [&Linear; N],
+        x: &[f32],
+        acts: &mut crate::engine::cpu::quant::IntActs,
+        ys: [&mut [f32]; N],
+    ) -> Result<()> {
+        let kernel = ls[0].kernel;
+        let ws: Option<Vec<&QMatrix>> = ls
+            .iter()
+            .map(|l| match &l.weight {
+                Weight::Quant(q) if l.kernel == kernel => Some(q.as_ref()),
+                _ => None,
+            })
+            .collect();
+        let mut ys = ys;
+        if let Some(ws) = ws {
+            let outs = ys.iter_mut().map(|y| &mut **y).collect();
+            if Self::matvec_into(&ls, &ws, x, kernel, acts, outs) {
+                return Ok(());
+            }
+        }
+        let xt = Tensor::from_slice(x, (1, x.len()), &Device::Cpu)?;
+        for (y, t) in ys.iter_mut().zip(Self::forward_shared(ls, &xt)?) {
+            let t = t.flatten_all()?.to_dtype(candle_core::DType::F32)?;
+            if t.dim(0)? != y.len() {
+                return Err(EngineError::Internal(format!(
+                    "forward_host: {} outputs for a buffer of {}",
+                    t.dim(0)?,
+                    y.len()
+                )));
+            }
+            y.copy_from_slice(&t.to_vec1::<f32>()?);
+        }
+        Ok(())
     }
 
     /// (L, in) -> (L, out)

@@ -96,6 +96,58 @@ fn rope_tables(cfg: &Qwen3Config, offset: usize, len: usize, dev: &Device) -> Re
     })
 }
 
+/// A CPU decode step's vectors, kept from layer to layer and token to token
+/// (`Qwen3::decode_host`): no allocation, and no tensor, between the step's regions.
+#[derive(Default)]
+struct HostStep {
+    /// (H) the residual stream
+    x: Vec<f32>,
+    /// (H) a norm's output, the input of q|k|v and gate|up
+    h: Vec<f32>,
+    /// (Hq*D), (Hkv*D), (Hkv*D): q|k|v's outputs
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// (Hq*D) attention's output, `o_proj`'s input
+    att: Vec<f32>,
+    /// (H) `o_proj`'s and `down_proj`'s output
+    o: Vec<f32>,
+    /// (I) gate|up's outputs and `silu(gate) · up`
+    g: Vec<f32>,
+    u: Vec<f32>,
+    a: Vec<f32>,
+    /// (V) the head's output
+    logits: Vec<f32>,
+    /// the integer kernels' activations (`quant::IntActs::fill`)
+    acts: cpu::quant::IntActs,
+}
+
+impl HostStep {
+    fn size_for(&mut self, cfg: &Qwen3Config) {
+        let (h, hd, i) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
+        let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+        for (v, n) in [
+            (&mut self.h, h),
+            (&mut self.q, q),
+            (&mut self.k, kv),
+            (&mut self.v, kv),
+            (&mut self.att, q),
+            (&mut self.o, h),
+            (&mut self.g, i),
+            (&mut self.u, i),
+            (&mut self.a, i),
+            (&mut self.logits, cfg.vocab_size),
+        ] {
+            v.resize(n, 0.0);
+        }
+    }
+}
+
+/// `x += d`, the residual add of a host step.
+fn add_into(x: &mut [f32], d: &[f32]) {
+    x.iter_mut().zip(d).for_each(|(x, d)| *x += d);
+}
+
 pub struct Attention {
     q_proj: Linear,
     k_proj: Linear,
@@ -221,6 +273,45 @@ impl Attention {
         team::read_ahead(next);
         self.o_proj.forward(&out)
     }
+
+    /// `forward` of one position on the host step's vectors: `s.h` in, `s.o` out; `cos`,
+    /// `sin`: (D/2) for this position.
+    fn forward_host(
+        &mut self,
+        s: &mut HostStep,
+        cos: &[f32],
+        sin: &[f32],
+        next: Ahead,
+    ) -> Result<()> {
+        let HostStep {
+            h,
+            q,
+            k,
+            v,
+            att,
+            o,
+            acts,
+            ..
+        } = s;
+        Linear::forward_host(
+            [&self.q_proj, &self.k_proj, &self.v_proj],
+            h,
+            acts,
+            [q, k, v],
+        )?;
+        let t0 = Instant::now();
+        let dims = Dims {
+            n_heads: self.n_heads,
+            n_kv: self.n_kv_heads,
+            head_dim: self.head_dim,
+            eps: self.eps,
+        };
+        let (qn, kn) = (&self.q_norm_host, &self.k_norm_host);
+        attention::attend_into(&dims, q, k, v, qn, kn, cos, sin, &mut self.host_kv, att);
+        profile::add(Part::Attention, t0);
+        team::read_ahead(next);
+        Linear::forward_host([&self.o_proj], att, acts, [o])
+    }
 }
 
 pub struct Mlp {
@@ -258,6 +349,24 @@ impl Mlp {
         team::read_ahead(next);
         self.down_proj.forward(&a)
     }
+
+    /// `forward` on the host step's vectors: `s.h` in, `s.o` out.
+    fn forward_host(&self, s: &mut HostStep, next: Ahead) -> Result<()> {
+        team::read_ahead(Linear::lead_in(&[&self.down_proj]));
+        let HostStep {
+            h,
+            g,
+            u,
+            a,
+            o,
+            acts,
+            ..
+        } = s;
+        Linear::forward_host([&self.gate_proj, &self.up_proj], h, acts, [g, u])?;
+        cpu::act::silu_mul(g, u, a);
+        team::read_ahead(next);
+        Linear::forward_host([&self.down_proj], a, acts, [o])
+    }
 }
 
 pub struct DecoderLayer {
@@ -265,6 +374,9 @@ pub struct DecoderLayer {
     mlp: Mlp,
     input_layernorm: Tensor,
     post_attention_layernorm: Tensor,
+    /// the two norms' weights again as host vectors, for `forward_host`
+    input_layernorm_host: Vec<f32>,
+    post_attention_layernorm_host: Vec<f32>,
     eps: f32,
 }
 
@@ -277,7 +389,10 @@ impl DecoderLayer {
         o: &ModelOptions,
     ) -> Result<Self> {
         let p = format!("model.layers.{i}");
+        let host = |name: &str| store.require(&format!("{p}.{name}.weight"))?.to_f32_vec();
         Ok(DecoderLayer {
+            input_layernorm_host: host("input_layernorm")?,
+            post_attention_layernorm_host: host("post_attention_layernorm")?,
             self_attn: Attention::new(cfg, store, &format!("{p}.self_attn"), ad, o)?,
             mlp: Mlp::new(cfg, store, &format!("{p}.mlp"), ad, o)?,
             input_layernorm: rms_norm_weight(
@@ -319,6 +434,31 @@ impl DecoderLayer {
         let m = rms_norm(&h, &self.post_attention_layernorm, self.eps)?;
         Ok((h + self.mlp.forward(&m, next)?)?)
     }
+
+    /// `forward` of one position on the host step's vectors: the residual stream `s.x` is
+    /// updated in place.
+    fn forward_host(
+        &mut self,
+        s: &mut HostStep,
+        cos: &[f32],
+        sin: &[f32],
+        next: Ahead,
+    ) -> Result<()> {
+        cpu::norm::rms_norm_rows(&s.x, &self.input_layernorm_host, self.eps, &mut s.h);
+        team::read_ahead(Linear::lead_in(&[&self.self_attn.o_proj]));
+        let gate_up = Linear::lead_in(&[&self.mlp.gate_proj, &self.mlp.up_proj]);
+        self.self_attn.forward_host(s, cos, sin, gate_up)?;
+        add_into(&mut s.x, &s.o);
+        cpu::norm::rms_norm_rows(
+            &s.x,
+            &self.post_attention_layernorm_host,
+            self.eps,
+            &mut s.h,
+        );
+        self.mlp.forward_host(s, next)?;
+        add_into(&mut s.x, &s.o);
+        Ok(())
+    }
 }
 
 /// What a forward pass returns.
@@ -341,6 +481,8 @@ pub struct Qwen3 {
     embed_tokens: Embedding,
     layers: Vec<DecoderLayer>,
     norm: Tensor,
+    /// `norm`'s weight as a host vector, for `decode_host`
+    norm_host: Vec<f32>,
     lm_head: Linear,
     /// The ids whose keys and values the cache holds, in order.
     cached: Vec<u32>,
@@ -352,6 +494,10 @@ pub struct Qwen3 {
     fused: Option<Fused>,
     /// The LoRA branches taken out by `suspend_lora`, in `linears_mut` order.
     suspended: Vec<Option<crate::engine::lora::LoraBranch>>,
+    /// The CPU decode step's vectors (`decode_host`).
+    host: HostStep,
+    /// Decode on the CPU through tensors as a prompt does (tests compare the two).
+    tensor_decode: bool,
 }
 
 impl Qwen3 {
@@ -395,6 +541,7 @@ impl Qwen3 {
         #[allow(unused_mut)]
         let mut model = Qwen3 {
             norm: rms_norm_weight(store, "model.norm.weight", h, &opts.device)?,
+            norm_host: store.require("model.norm.weight")?.to_f32_vec()?,
             embed_tokens: Embedding {
                 weight: embed,
                 on_host: false,
@@ -408,6 +555,8 @@ impl Qwen3 {
             cfg,
             fused: None,
             suspended: Vec::new(),
+            host: HostStep::default(),
+            tensor_decode: false,
         };
         #[cfg(feature = "cuda")]
         if let (Device::Cuda(dev), true) = (&opts.device, opts.cuda_step != CudaStep::Ops) {
@@ -647,6 +796,12 @@ impl Qwen3 {
         }
     }
 
+    /// Decode positions on the CPU through tensors, as a prompt's are (`on`), or on the host
+    /// step (`decode_host`, the default); the tests compare the two.
+    pub fn use_tensor_decode(&mut self, on: bool) {
+        self.tensor_decode = on;
+    }
+
     /// Tokens already in the KV cache.
     pub fn offset(&self) -> usize {
         self.cached.len()
@@ -714,25 +869,71 @@ impl Qwen3 {
         all_logits: bool,
         keep_hidden: bool,
     ) -> Result<ForwardOutput> {
-        if self.device.is_cpu() && rayon::current_thread_index().is_none() {
-            // Every CPU matmul hands its rows to the worker pool. Called from outside it, each
-            // of a step's ~200 hand-offs would put this thread to sleep and wake it again
-            // (a futex round trip each); run from a worker, the whole pass costs one.
-            // A decode step's regions are too short for rayon's wake-ups: its workers spin
-            // for this one pass instead (`team`). A prompt's GEMMs keep rayon's pool.
-            let model = OnWorker(self);
-            return rayon::scope(move |_| {
-                let model = model;
-                if ids.len() == 1 {
-                    crate::engine::cpu::team::Team::lead(|| {
-                        model.0.forward_on_workers(ids, all_logits, keep_hidden)
-                    })
-                } else {
-                    model.0.forward_on_workers(ids, all_logits, keep_hidden)
-                }
-            });
+        self.on_workers(ids.len() == 1, |m| {
+            m.forward_on_workers(ids, all_logits, keep_hidden)
+        })
+    }
+
+    /// `f(self)`, on the CPU from a worker of rayon's pool. Every CPU matmul hands its rows
+    /// to the worker pool. Called from outside it, each of a step's ~200 hand-offs would put
+    /// this thread to sleep and wake it again (a futex round trip each); run from a worker,
+    /// the whole pass costs one. A decode step's regions (`decode`) are too short for rayon's
+    /// wake-ups: its workers spin for this one pass instead (`team`). A prompt's GEMMs keep
+    /// rayon's pool.
+    fn on_workers<R: Send>(&mut self, decode: bool, f: impl FnOnce(&mut Qwen3) -> R + Send) -> R {
+        if !self.device.is_cpu() || rayon::current_thread_index().is_some() {
+            return f(self);
         }
-        self.forward_on_workers(ids, all_logits, keep_hidden)
+        let model = OnWorker(self);
+        rayon::scope(move |_| {
+            let model = model;
+            if decode {
+                crate::engine::cpu::team::Team::lead(|| f(model.0))
+            } else {
+                f(model.0)
+            }
+        })
+    }
+
+    /// Whether a CPU decode step runs on host vectors (`decode_host`): the CPU device, with
+    /// `cpu::attention` (not the candle ops the tests compare it with).
+    fn host_step_ok(&self) -> bool {
+        !self.tensor_decode
+            && self.device.is_cpu()
+            && self.fused.is_none()
+            && !self.layers.iter().any(|l| l.self_attn.reference_path)
+    }
+
+    /// One decode position on the CPU, `forward_on_workers`' arithmetic on host vectors
+    /// (`HostStep`) kept across calls: the logits are left in `self.host.logits`. Each
+    /// region's kernel writes where the next reads, and what runs between the regions (norms,
+    /// residual adds, `silu · up`, the activations' quantization) touches no allocator.
+    fn decode_host(&mut self, id: u32) -> Result<()> {
+        let mut s = std::mem::take(&mut self.host);
+        let out = self.decode_host_with(id, &mut s);
+        self.host = s;
+        out
+    }
+
+    fn decode_host_with(&mut self, id: u32, s: &mut HostStep) -> Result<()> {
+        let x = self.embed_tokens.forward(&[id], &self.device)?; // (1, H)
+        s.x = x.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        s.size_for(&self.cfg);
+        let offset = self.cached.len();
+        let (cos, sin) = rope_angles(self.cfg.rope_theta, self.cfg.head_dim, offset..offset + 1);
+        let head = Linear::lead_in(&[&self.lm_head]);
+        for i in 0..self.layers.len() {
+            let (this, rest) = self.layers.split_at_mut(i + 1);
+            let next = rest.first().map_or(head, DecoderLayer::lead_in);
+            this[i].forward_host(s, &cos, &sin, next)?;
+        }
+        self.cached.push(id);
+        let eps = self.cfg.rms_norm_eps as f32;
+        cpu::norm::rms_norm_rows(&s.x, &self.norm_host, eps, &mut s.h);
+        let HostStep {
+            h, logits, acts, ..
+        } = s;
+        Linear::forward_host([&self.lm_head], h, acts, [logits])
     }
 
     /// `forward` proper (on a worker thread when the device is the CPU).
@@ -747,6 +948,15 @@ impl Qwen3 {
             return Err(EngineError::Internal(
                 "forward needs at least one token".into(),
             ));
+        }
+        if l == 1 && !keep_hidden && self.host_step_ok() {
+            self.decode_host(ids[0])?;
+            let v = self.cfg.vocab_size;
+            let logits = Tensor::from_slice(&self.host.logits, (1, v), &self.device)?;
+            return Ok(ForwardOutput {
+                logits,
+                hidden: Vec::new(),
+            });
         }
         if let Some(f) = &mut self.fused {
             let (logits, hidden) = f.forward(ids, self.cached.len(), all_logits, keep_hidden)?;
@@ -866,6 +1076,16 @@ impl Qwen3 {
             }
             let out = f.forward_sample(ids, self.cached.len(), s)?;
             self.cached.extend_from_slice(ids);
+            return out.map_err(|_| EngineError::NonFiniteLogits);
+        }
+        if let ([id], true) = (ids, self.host_step_ok()) {
+            let id = *id;
+            self.on_workers(true, |m| m.decode_host(id))?;
+            let t = Instant::now();
+            let out = self
+                .sampler
+                .sample(&mut self.host.logits, s.recent, &s.params, s.draw);
+            profile::add(Part::Sampling, t);
             return out.map_err(|_| EngineError::NonFiniteLogits);
         }
         let logits = self.forward(ids, false, false)?.logits;

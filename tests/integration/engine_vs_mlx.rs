@@ -618,3 +618,50 @@ fn fused_cuda_sampler_draws_what_the_reference_draws() {
     }
     assert!(near_ties < 3, "{near_ties} near-ties in 400 draws");
 }
+
+/// The CPU's decode step on host vectors (`Qwen3::decode_host`: every region's kernel writing
+/// into buffers kept across tokens) is the tensor path's arithmetic: the same logits, bit for
+/// bit, token after token, on every variant (the ones the integer kernel does not take go
+/// through the tensor fallback inside it), with and without LoRA, both kernels.
+#[test]
+fn host_decode_step_equals_tensor_decode() {
+    if !test_device().is_cpu() {
+        eprintln!(
+            "host_decode_step_equals_tensor_decode: the host step is the CPU's; not run on {:?}",
+            test_device()
+        );
+        return;
+    }
+    for (v, _) in variants() {
+        let ids = Reference::open(&v).prompt_ids();
+        for lora in [false, true] {
+            for kernel in [Numerics::Fast, Numerics::Exact] {
+                let mut m = load(&v, lora, kernel);
+                let mut runs = Vec::new();
+                for tensor in [false, true] {
+                    m.use_tensor_decode(tensor);
+                    m.reset();
+                    let mut logits = to_vec(&m.forward(&ids, false, false).unwrap().logits);
+                    let mut all = Vec::new();
+                    for _ in 0..6 {
+                        let id = Qwen3::argmax(&logits);
+                        logits = m.next_logits(&[id]).unwrap();
+                        all.extend_from_slice(&logits);
+                    }
+                    runs.push(all);
+                }
+                let what = format!("{v} lora={lora} {kernel:?}");
+                assert_eq!(runs[0].len(), runs[1].len(), "{what}");
+                let differ = runs[0]
+                    .iter()
+                    .zip(&runs[1])
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert_eq!(
+                    differ, 0,
+                    "{what}: {differ} logits differ between the host and tensor decode"
+                );
+            }
+        }
+    }
+}

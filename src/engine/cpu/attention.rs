@@ -265,8 +265,8 @@ unsafe fn norm_rope_heads_avx2(
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     d: &Dims,
-    q: Vec<f32>,
-    k: Vec<f32>,
+    mut q: Vec<f32>,
+    mut k: Vec<f32>,
     v: &[f32],
     q_norm: &[f32],
     k_norm: &[f32],
@@ -274,6 +274,26 @@ pub fn attend(
     sin: &[f32],
     kv: &mut HostKv,
 ) -> Vec<f32> {
+    let mut out = vec![0f32; q.len()];
+    attend_into(d, &mut q, &mut k, v, q_norm, k_norm, cos, sin, kv, &mut out);
+    out
+}
+
+/// `attend` into `out` (L, Hq*D), normalizing and rotating `q` and `k` in place: a decode
+/// step's scratch keeps all of them from token to token.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_into(
+    d: &Dims,
+    q: &mut [f32],
+    k: &mut [f32],
+    v: &[f32],
+    q_norm: &[f32],
+    k_norm: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    kv: &mut HostKv,
+    out: &mut [f32],
+) {
     // with more threads than KV heads, a task a query head (each reads its K and V rows)
     let per_task = if rayon::current_num_threads() > d.n_kv {
         1
@@ -287,10 +307,19 @@ pub fn attend(
         crate::engine::cpu::isa::active().avx2() && std::arch::is_x86_feature_detected!("f16c");
     #[cfg(not(target_arch = "x86_64"))]
     let simd = false;
+    let rows = Rows { q, k, v, out };
     match kv {
-        HostKv::F32(h) => attend_with(d, q, k, v, q_norm, k_norm, cos, sin, h, simd, per_task),
-        HostKv::F16(h) => attend_with(d, q, k, v, q_norm, k_norm, cos, sin, h, simd, per_task),
+        HostKv::F32(h) => attend_with(d, rows, q_norm, k_norm, cos, sin, h, simd, per_task),
+        HostKv::F16(h) => attend_with(d, rows, q_norm, k_norm, cos, sin, h, simd, per_task),
     }
+}
+
+/// A step's new rows, and where its output goes.
+struct Rows<'a> {
+    q: &'a mut [f32],
+    k: &'a mut [f32],
+    v: &'a [f32],
+    out: &'a mut [f32],
 }
 
 /// `attend` with the AVX2 + FMA (+ F16C) kernels (`simd`, x86-64 only: the caller has checked
@@ -299,9 +328,7 @@ pub fn attend(
 #[allow(clippy::too_many_arguments)]
 fn attend_with<E: KvElem>(
     d: &Dims,
-    mut q: Vec<f32>,
-    mut k: Vec<f32>,
-    v: &[f32],
+    rows: Rows,
     q_norm: &[f32],
     k_norm: &[f32],
     cos: &[f32],
@@ -309,22 +336,23 @@ fn attend_with<E: KvElem>(
     kv: &mut Heads<E>,
     simd: bool,
     per_task: usize,
-) -> Vec<f32> {
+) {
+    let Rows { q, k, v, out } = rows;
     let (nh, nkv, hd) = (d.n_heads, d.n_kv, d.head_dim);
     let l = q.len() / (nh * hd);
-    norm_rope_rows(&mut q, nh, hd, q_norm, d.eps, cos, sin);
-    norm_rope_rows(&mut k, nkv, hd, k_norm, d.eps, cos, sin);
+    norm_rope_rows(q, nh, hd, q_norm, d.eps, cos, sin);
+    norm_rope_rows(k, nkv, hd, k_norm, d.eps, cos, sin);
+    let q = &*q;
     let offset = kv.positions(hd);
-    kv.append(&k, v, nkv, hd);
+    kv.append(k, v, nkv, hd);
     let scale = (hd as f32).powf(-0.5);
     let rep = nh / nkv;
     // a task per KV head, for the query heads that share it, reads their K and V rows once
     // (with the layout above: 93-97 -> 79-84 us a layer at 96 positions, the measure of
-    // `HostKv`); with `per_task` < `rep` they are read once a task. A task's rows of the
-    // output are strided, so collect, then gather
-    let group = |h0: usize| {
+    // `HostKv`); with `per_task` < `rep` they are read once a task
+    let group = |h0: usize, o: &mut [f32]| {
         let grp = Group {
-            q: &q,
+            q,
             keys: &kv.k[h0 / rep],
             values: &kv.v[h0 / rep],
             h0,
@@ -338,26 +366,34 @@ fn attend_with<E: KvElem>(
         #[cfg(target_arch = "x86_64")]
         if simd && hd % 8 == 0 {
             // SAFETY: the CPU has AVX2 and FMA (`isa` detected them, or the caller checked).
-            return unsafe { grp.run_avx2() };
+            return unsafe { grp.run_avx2(o) };
         }
         let _ = simd;
-        grp.run()
+        grp.run(o)
     };
     debug_assert_eq!(rep % per_task, 0);
+    if l == 1 {
+        // a task's heads are adjacent in the one output row: it writes there directly
+        let mut per_group: Vec<(usize, &mut [f32])> = out
+            .chunks_mut(per_task * hd)
+            .enumerate()
+            .map(|(t, o)| (t * per_task, o))
+            .collect();
+        team::for_each_mut(&mut per_group, |(h0, o)| group(*h0, o));
+        return;
+    }
+    // a task's rows of the output are strided: collect, then gather
     let mut per_group: Vec<(usize, Vec<f32>)> = (0..nh)
         .step_by(per_task)
-        .map(|h0| (h0, Vec::new()))
+        .map(|h0| (h0, vec![0f32; per_task * l * hd]))
         .collect();
-    team::for_each_mut(&mut per_group, |(h0, o)| *o = group(*h0));
-    // (L, Hq*D) in order: built by appending, not cleared and then overwritten
-    let mut out = Vec::with_capacity(l * nh * hd);
+    team::for_each_mut(&mut per_group, |(h0, o)| group(*h0, o));
     for i in 0..l {
         for h in 0..nh {
             let (o, r) = (&per_group[h / per_task].1, h % per_task);
-            out.extend_from_slice(&o[(r * l + i) * hd..][..hd]);
+            out[(i * nh + h) * hd..][..hd].copy_from_slice(&o[(r * l + i) * hd..][..hd]);
         }
     }
-    out
 }
 
 /// Causal attention of `rep` query heads from `h0` on, which share KV head `g`, over the
@@ -392,7 +428,7 @@ impl<E: KvElem> Group<'_, E> {
     /// decoding at 64-320 positions: attention 12.8-12.9% of a step before, 11.2-11.4% after).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn run_avx2(&self) -> Vec<f32> {
+    unsafe fn run_avx2(&self, o: &mut [f32]) {
         let Group {
             q,
             keys,
@@ -407,7 +443,7 @@ impl<E: KvElem> Group<'_, E> {
         } = *self;
         debug_assert_eq!(hd % 8, 0);
         let t_max = offset + l;
-        let mut o = vec![0f32; rep * l * hd];
+        debug_assert_eq!(o.len(), rep * l * hd);
         let mut probs = vec![0f32; rep * t_max];
         let (kp, vp, op) = (keys.as_ptr(), values.as_ptr(), o.as_mut_ptr());
         for i in 0..l {
@@ -444,11 +480,11 @@ impl<E: KvElem> Group<'_, E> {
                 r += 2;
             }
         }
-        o
     }
 
+    /// (rep, L, D) outputs into `o`.
     #[inline(always)]
-    fn run(&self) -> Vec<f32> {
+    fn run(&self, o: &mut [f32]) {
         let Group {
             q,
             keys,
@@ -461,7 +497,7 @@ impl<E: KvElem> Group<'_, E> {
             offset,
             scale,
         } = *self;
-        let mut o = vec![0f32; rep * l * hd];
+        o.fill(0.0);
         let t_max = offset + l;
         let mut scores = vec![0f32; rep * t_max];
         let mut row = vec![0f32; hd];
@@ -491,7 +527,6 @@ impl<E: KvElem> Group<'_, E> {
                 }
             }
         }
-        o
     }
 }
 

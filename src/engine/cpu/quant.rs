@@ -357,25 +357,66 @@ const W16_AT: [usize; 32] = {
     at
 };
 
+impl Default for IntActs {
+    fn default() -> Self {
+        IntActs::empty()
+    }
+}
+
 impl IntActs {
     pub fn new(x: &[f32], m: usize, k: usize, gs: usize, split: bool, layout: ActLayout) -> Self {
+        let mut a = IntActs::empty();
+        a.fill(x, m, k, gs, split, layout);
+        a
+    }
+
+    /// Activations of no rows, for `fill` to write into.
+    pub fn empty() -> Self {
+        IntActs {
+            k: 0,
+            split: false,
+            layout: ActLayout::Halves,
+            el: Vec::new(),
+            ol: Vec::new(),
+            eh: Vec::new(),
+            oh: Vec::new(),
+            w16: Vec::new(),
+            d: Vec::new(),
+            dx: Vec::new(),
+            gsum: Vec::new(),
+        }
+    }
+
+    /// `new`'s activations of `x` written over this one's, in its buffers: a decode step
+    /// quantizes ~4 rows a layer, and fresh buffers each time cost the allocator and, between
+    /// regions that evicted them, page-cold memory.
+    pub fn fill(
+        &mut self,
+        x: &[f32],
+        m: usize,
+        k: usize,
+        gs: usize,
+        split: bool,
+        layout: ActLayout,
+    ) {
         let nb = k / 32;
         let halves = layout == ActLayout::Halves;
         let half = if split && halves { m * k / 2 } else { 0 };
         let lows = if halves { m * k / 2 } else { 0 };
-        let mut a = IntActs {
-            k,
-            split,
-            layout,
-            el: vec![0; lows],
-            ol: vec![0; lows],
-            eh: vec![0; half],
-            oh: vec![0; half],
-            d: vec![0.0; m * nb],
-            w16: vec![0; if halves { 0 } else { m * nb.div_ceil(2) * 64 }],
-            dx: vec![0.0; 4 * m * nb],
-            gsum: vec![0.0; m * (k / gs)],
-        };
+        fn zeroed<T: Copy + Default>(v: &mut Vec<T>, n: usize) {
+            v.clear();
+            v.resize(n, T::default());
+        }
+        let a = self;
+        (a.k, a.split, a.layout) = (k, split, layout);
+        zeroed(&mut a.el, lows);
+        zeroed(&mut a.ol, lows);
+        zeroed(&mut a.eh, half);
+        zeroed(&mut a.oh, half);
+        zeroed(&mut a.d, m * nb);
+        zeroed(&mut a.w16, if halves { 0 } else { m * nb.div_ceil(2) * 64 });
+        zeroed(&mut a.dx, 4 * m * nb);
+        zeroed(&mut a.gsum, m * (k / gs));
         let k16 = a.k16();
         let qmax = if split { 16383.0 } else { 127.0 };
         let mut q = Vec::new();
@@ -433,7 +474,6 @@ impl IntActs {
         for (dx, &d) in a.dx.chunks_exact_mut(4).zip(&a.d) {
             dx.fill(d);
         }
-        a
     }
 
     /// The row stride of `w16`: whole pairs of blocks.
@@ -688,22 +728,42 @@ pub fn qmatvec_shared_then(
     kernel: Numerics,
     then: Option<Then>,
 ) -> Option<Vec<Vec<f32>>> {
-    if !decode_shared_ok(ws, x.len(), kernel) {
-        return None;
+    let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; w.rows]).collect();
+    let outs = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
+    qmatvec_shared_into(ws, x, kernel, then, &mut IntActs::empty(), outs).then_some(ys)
+}
+
+/// `qmatvec_shared_then` into the caller's buffers: `ys[i]` holds one value per row of
+/// `ws[i]` (every one is written), `acts` the activations' buffers (`IntActs::fill`); a
+/// decode step's scratch keeps both from token to token. `false`, nothing written, where
+/// `qmatvec_shared` returns `None`.
+pub fn qmatvec_shared_into(
+    ws: &[&QMatrix],
+    x: &[f32],
+    kernel: Numerics,
+    then: Option<Then>,
+    acts: &mut IntActs,
+    ys: Vec<&mut [f32]>,
+) -> bool {
+    if !decode_shared_ok(ws, x.len(), kernel)
+        || ys.len() != ws.len()
+        || ws.iter().zip(&ys).any(|(w, y)| y.len() != w.rows)
+    {
+        return false;
     }
     let isa = isa::active();
     let split = kernel == Numerics::Fast;
     let (k, gs) = (ws[0].cols, ws[0].params.group_size);
-    let a = IntActs::new(x, 1, k, gs, split, ActLayout::for_isa(isa, split));
-    let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; w.rows]).collect();
-    let mut tasks = decode_parts(ws, ys.iter_mut().map(|y| y.as_mut_slice()).collect());
+    acts.fill(x, 1, k, gs, split, ActLayout::for_isa(isa, split));
+    let a = &*acts;
+    let mut tasks = decode_parts(ws, ys);
     team::for_each_mut(&mut tasks, |(i, first, outs)| {
-        int_task(ws[*i], &a, *first, 1, split, isa, outs);
+        int_task(ws[*i], a, *first, 1, split, isa, outs);
         if let Some(then) = then {
             then(*i, *first, outs);
         }
     });
-    Some(ys)
+    true
 }
 
 /// Rows `first..first + outs.len() / m` of `w` against the `m` activation rows of `a`,
