@@ -921,19 +921,16 @@ mod tests {
                     val(l * nkv * hd, step + 5),
                     val(l * nkv * hd, step + 9),
                 );
-                let got = attend_with(
-                    &d,
-                    q.clone(),
-                    k.clone(),
-                    &v,
-                    &w,
-                    &w,
-                    &cos,
-                    &sin,
-                    &mut kv,
-                    simd,
-                    if one_head_a_task { 1 } else { nh / nkv },
-                );
+                let (mut qx, mut kx) = (q.clone(), k.clone());
+                let mut got = vec![f32::NAN; q.len()];
+                let rows = Rows {
+                    q: &mut qx,
+                    k: &mut kx,
+                    v: &v,
+                    out: &mut got,
+                };
+                let per_task = if one_head_a_task { 1 } else { nh / nkv };
+                attend_with(&d, rows, &w, &w, &cos, &sin, &mut kv, simd, per_task);
                 let (mut qn, mut kn, mut vn) = (q, k, v);
                 norm(&mut qn);
                 norm(&mut kn);
