@@ -280,7 +280,7 @@ impl Linear {
     ) -> Option<Vec<Vec<f32>>> {
         let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; w.rows]).collect();
         let outs = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
-        let mut acts = crate::engine::cpu::quant::IntActs::empty();
+        let mut acts = crate::engine::cpu::quant::IntActs::default();
         Self::matvec_into(ls, ws, xs, kernel, &mut acts, outs).then_some(ys)
     }
 

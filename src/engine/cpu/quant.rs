@@ -358,20 +358,8 @@ const W16_AT: [usize; 32] = {
 };
 
 impl Default for IntActs {
-    fn default() -> Self {
-        IntActs::empty()
-    }
-}
-
-impl IntActs {
-    pub fn new(x: &[f32], m: usize, k: usize, gs: usize, split: bool, layout: ActLayout) -> Self {
-        let mut a = IntActs::empty();
-        a.fill(x, m, k, gs, split, layout);
-        a
-    }
-
     /// Activations of no rows, for `fill` to write into.
-    pub fn empty() -> Self {
+    fn default() -> Self {
         IntActs {
             k: 0,
             split: false,
@@ -385,6 +373,14 @@ impl IntActs {
             dx: Vec::new(),
             gsum: Vec::new(),
         }
+    }
+}
+
+impl IntActs {
+    pub fn new(x: &[f32], m: usize, k: usize, gs: usize, split: bool, layout: ActLayout) -> Self {
+        let mut a = IntActs::default();
+        a.fill(x, m, k, gs, split, layout);
+        a
     }
 
     /// `new`'s activations of `x` written over this one's, in its buffers: a decode step
@@ -701,7 +697,9 @@ pub fn qmatmul_shared(
 /// `None` when they do not all take the integer kernel with the same width and group size:
 /// the caller then runs them one by one.
 pub fn qmatvec_shared(ws: &[&QMatrix], x: &[f32], kernel: Numerics) -> Option<Vec<Vec<f32>>> {
-    qmatvec_shared_then(ws, x, kernel, None)
+    let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; w.rows]).collect();
+    let outs = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
+    qmatvec_shared_into(ws, x, kernel, None, &mut IntActs::default(), outs).then_some(ys)
 }
 
 /// Whether `qmatvec_shared` runs `ws` against a row of `k` values (else it returns `None`):
@@ -720,22 +718,11 @@ pub fn decode_shared_ok(ws: &[&QMatrix], k: usize, kernel: Numerics) -> bool {
 /// outputs)` (a LoRA branch's second half, `lora::add_b`), on the thread that computed them.
 pub type Then<'a> = &'a (dyn Fn(usize, usize, &mut [f32]) + Sync);
 
-/// `qmatvec_shared`, with `then` run on each task's rows inside the region: work that would
-/// otherwise follow the region on the leading thread alone runs on the whole team.
-pub fn qmatvec_shared_then(
-    ws: &[&QMatrix],
-    x: &[f32],
-    kernel: Numerics,
-    then: Option<Then>,
-) -> Option<Vec<Vec<f32>>> {
-    let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; w.rows]).collect();
-    let outs = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
-    qmatvec_shared_into(ws, x, kernel, then, &mut IntActs::empty(), outs).then_some(ys)
-}
-
-/// `qmatvec_shared_then` into the caller's buffers: `ys[i]` holds one value per row of
-/// `ws[i]` (every one is written), `acts` the activations' buffers (`IntActs::fill`); a
-/// decode step's scratch keeps both from token to token. `false`, nothing written, where
+/// `qmatvec_shared` into the caller's buffers: `ys[i]` holds one value per row of `ws[i]`
+/// (every one is written), `acts` the activations' buffers (`IntActs::fill`); a decode
+/// step's scratch keeps both from token to token. `then` runs on each task's rows inside the
+/// region (a LoRA branch's second half): work that would otherwise follow the region on the
+/// leading thread alone runs on the whole team. `false`, nothing written, where
 /// `qmatvec_shared` returns `None`.
 pub fn qmatvec_shared_into(
     ws: &[&QMatrix],
