@@ -3,7 +3,7 @@
 //! 2 MiB pages (`engine/resident.rs`), alternating: how close the projections stream to the
 //! machine's read bandwidth. `bot bench` stays the measure of what users run.
 //!
-//!   cargo run --release --example layer_stream [rounds] [threads] [qwen3-0.6b|qwen3-8b]
+//!   cargo run --release --example layer_stream [rounds] [threads] [qwen3-0.6b|qwen3-8b] [fast|int8]
 use std::time::Instant;
 
 use bot::engine::config::QuantParams;
@@ -88,6 +88,10 @@ fn main() {
         Some("qwen3-4b") => Shape::Qwen3_4b,
         _ => Shape::Qwen3_0_6b,
     };
+    let k = match args.next().as_deref() {
+        Some("int8") => Numerics::Int8,
+        _ => Numerics::Fast,
+    };
     let (h, i, nl, q, kv, _) = dims(shape);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
@@ -108,7 +112,6 @@ fn main() {
                 .collect()
         })
         .collect();
-    let k = Numerics::Fast;
     let mut res = vec![(Vec::new(), Vec::new()); sets.len()];
     for _ in 0..rounds {
         for (si, (_, (layers, head))) in sets.iter().enumerate() {

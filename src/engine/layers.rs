@@ -253,8 +253,9 @@ impl Linear {
     }
 
     /// What a decode step's region over these projections (one, or several sharing their
-    /// input) reads first, for the team to read ahead (`cpu::team::read_ahead`); empty for
-    /// weights the CPU's quantized kernel does not run.
+    /// input) reads first, for the team to read ahead (`cpu::team::read_ahead`): the LoRA
+    /// branches' `a` matrices (the leader's `x @ a` reads them before the region opens), then
+    /// the region's first tasks; empty for weights the CPU's quantized kernel does not run.
     pub(crate) fn lead_in(ls: &[&Linear]) -> Ahead {
         let mut ws = Vec::with_capacity(ls.len());
         for l in ls {
@@ -263,7 +264,11 @@ impl Linear {
                 _ => return Ahead::default(),
             }
         }
-        crate::engine::cpu::quant::decode_lead_in(&ws)
+        let a: Vec<&[f32]> = ls
+            .iter()
+            .filter_map(|l| l.lora.as_ref()?.host_parts().map(|(a, _, _)| a))
+            .collect();
+        Ahead::before(&a, crate::engine::cpu::quant::decode_lead_in(&ws))
     }
 
     /// A decode row through quantized projections some of which carry LoRA branches, each

@@ -35,25 +35,39 @@ const MAX_TASKS: usize = u16::MAX as usize;
 /// a busier hour no change at any size (256 KiB to 4 MiB).
 pub const AHEAD_BYTES: usize = 1 << 20;
 
-/// What the next region reads first: up to two byte ranges, as addresses (a hint: they are
-/// only ever prefetched, never read, so a range that is gone by then costs nothing).
+/// Ranges a hint holds: a region's first two tasks, and before them up to three LoRA `a`
+/// matrices (q|k|v's), which the leader reads first, between the regions.
+const RANGES: usize = 5;
+
+/// What the next region reads first: up to `RANGES` byte ranges, as addresses (a hint: they
+/// are only ever prefetched, never read, so a range that is gone by then costs nothing).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Ahead {
-    ranges: [(usize, usize); 2],
+    ranges: [(usize, usize); RANGES],
 }
 
 impl Ahead {
-    /// The first `AHEAD_BYTES` (at most) of each of up to two slices.
+    /// The first `AHEAD_BYTES` (at most) of each of up to `RANGES` slices.
     pub fn of(slices: &[&[u8]]) -> Self {
+        Ahead::before(slices, Ahead::default())
+    }
+
+    /// `rest`'s ranges after the first `AHEAD_BYTES` (at most) of each of `first` (helpers
+    /// read every range a step at a time, in this order), as many as `RANGES` allows.
+    pub fn before<T>(first: &[&[T]], rest: Ahead) -> Self {
+        let firsts = first
+            .iter()
+            .map(|s| (s.as_ptr() as usize, std::mem::size_of_val(*s).min(AHEAD_BYTES)));
+        let rests = rest.ranges.into_iter().filter(|&(_, len)| len > 0);
         let mut a = Ahead::default();
-        for (r, s) in a.ranges.iter_mut().zip(slices) {
-            *r = (s.as_ptr() as usize, s.len().min(AHEAD_BYTES));
+        for (r, v) in a.ranges.iter_mut().zip(firsts.chain(rests)) {
+            *r = v;
         }
         a
     }
 
     /// (address, length) of each range.
-    pub fn ranges(&self) -> [(usize, usize); 2] {
+    pub fn ranges(&self) -> [(usize, usize); RANGES] {
         self.ranges
     }
 }
@@ -97,7 +111,7 @@ fn prefetch_line(addr: usize) {
 #[derive(Default)]
 struct Reading {
     gen: u64,
-    ranges: [(usize, usize); 2],
+    ranges: [(usize, usize); RANGES],
     done: usize,
 }
 
@@ -160,7 +174,7 @@ pub struct Team {
     stop: AtomicBool,
     /// The read-ahead hint (`read_ahead`): (address, length) of each range, and a count the
     /// leader bumps after writing them.
-    ahead: [[AtomicUsize; 2]; 2],
+    ahead: [[AtomicUsize; 2]; RANGES],
     ahead_gen: AtomicU64,
 }
 
@@ -437,6 +451,24 @@ mod tests {
         publish(Ahead::of(&[&small]));
         let steps = std::iter::from_fn(|| team.read_ahead_some(&mut r).then_some(())).count();
         assert_eq!(steps, 10_000usize.div_ceil(4096));
+    }
+
+    /// `before` puts its slices first, keeps `rest`'s ranges after them in order, drops what
+    /// does not fit, and sizes each range in bytes whatever the element type.
+    #[test]
+    fn ranges_before_a_hint_come_first() {
+        let (t0, t1) = (vec![0u8; 300], vec![0u8; 500]);
+        let rest = Ahead::of(&[&t0, &t1]);
+        let a = vec![0f32; 100];
+        let r = Ahead::before(&[&a[..]], rest).ranges();
+        assert_eq!(r[0], (a.as_ptr() as usize, 400));
+        assert_eq!(r[1], (t0.as_ptr() as usize, 300));
+        assert_eq!(r[2], (t1.as_ptr() as usize, 500));
+        assert_eq!(r[3], (0, 0));
+        let many: Vec<Vec<f32>> = (0..RANGES).map(|_| vec![0f32; 8]).collect();
+        let views: Vec<&[f32]> = many.iter().map(|v| &v[..]).collect();
+        let r = Ahead::before(&views, rest).ranges();
+        assert!(r.iter().zip(&many).all(|(&(p, n), v)| p == v.as_ptr() as usize && n == 32));
     }
 
     /// Hints, stale ones included (a buffer freed since), change no result and stop no region:
