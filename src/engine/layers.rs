@@ -522,3 +522,42 @@ impl ModelView<'_> {
             .flat_map(|l| l.linears.iter().map(|l| &l.weight))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::quant::testutil::random_qmatrix;
+    use crate::engine::weights::Dtype;
+
+    /// A decode region's read-ahead hint names its LoRA branches' `a` matrices (host copies,
+    /// whole, in bytes) before the region's first tasks, and only the tasks without them.
+    #[test]
+    fn lead_in_names_lora_a_before_the_first_tasks() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("pool");
+        pool.install(|| {
+            let w = Arc::new(random_qmatrix(256, 64, 4, 64, Dtype::BF16, 1));
+            let a = Tensor::ones((64, 8), candle_core::DType::F32, &Device::Cpu).expect("a");
+            let b = Tensor::ones((8, 256), candle_core::DType::F32, &Device::Cpu).expect("b");
+            let plain = Linear {
+                weight: Weight::Quant(w),
+                lora: None,
+                kernel: Numerics::Fast,
+                part: Part::Projections,
+            };
+            let adapted = Linear {
+                lora: Some(LoraBranch::new(a, b, 2.0).expect("branch")),
+                ..plain.clone()
+            };
+            let tasks = Linear::lead_in(&[&plain, &plain]).ranges();
+            assert!(tasks[0].1 > 0 && tasks[1].1 > 0 && tasks[2] == (0, 0));
+            let r = Linear::lead_in(&[&plain, &adapted]).ranges();
+            let (ha, _, _) = adapted.lora.as_ref().and_then(|l| l.host_parts()).expect("host");
+            assert_eq!(r[0], (ha.as_ptr() as usize, 64 * 8 * 4));
+            assert_eq!(r[1..3], tasks[..2]);
+            assert_eq!(r[3], (0, 0));
+        });
+    }
+}
