@@ -554,7 +554,11 @@ mod tests {
             let tasks = Linear::lead_in(&[&plain, &plain]).ranges();
             assert!(tasks[0].1 > 0 && tasks[1].1 > 0 && tasks[2] == (0, 0));
             let r = Linear::lead_in(&[&plain, &adapted]).ranges();
-            let (ha, _, _) = adapted.lora.as_ref().and_then(|l| l.host_parts()).expect("host");
+            let (ha, _, _) = adapted
+                .lora
+                .as_ref()
+                .and_then(|l| l.host_parts())
+                .expect("host");
             assert_eq!(r[0], (ha.as_ptr() as usize, 64 * 8 * 4));
             assert_eq!(r[1..3], tasks[..2]);
             assert_eq!(r[3], (0, 0));

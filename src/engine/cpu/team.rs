@@ -55,9 +55,12 @@ impl Ahead {
     /// `rest`'s ranges after the first `AHEAD_BYTES` (at most) of each of `first` (helpers
     /// read every range a step at a time, in this order), as many as `RANGES` allows.
     pub fn before<T>(first: &[&[T]], rest: Ahead) -> Self {
-        let firsts = first
-            .iter()
-            .map(|s| (s.as_ptr() as usize, std::mem::size_of_val(*s).min(AHEAD_BYTES)));
+        let firsts = first.iter().map(|s| {
+            (
+                s.as_ptr() as usize,
+                std::mem::size_of_val(*s).min(AHEAD_BYTES),
+            )
+        });
         let rests = rest.ranges.into_iter().filter(|&(_, len)| len > 0);
         let mut a = Ahead::default();
         for (r, v) in a.ranges.iter_mut().zip(firsts.chain(rests)) {
@@ -468,7 +471,10 @@ mod tests {
         let many: Vec<Vec<f32>> = (0..RANGES).map(|_| vec![0f32; 8]).collect();
         let views: Vec<&[f32]> = many.iter().map(|v| &v[..]).collect();
         let r = Ahead::before(&views, rest).ranges();
-        assert!(r.iter().zip(&many).all(|(&(p, n), v)| p == v.as_ptr() as usize && n == 32));
+        assert!(r
+            .iter()
+            .zip(&many)
+            .all(|(&(p, n), v)| p == v.as_ptr() as usize && n == 32));
     }
 
     /// Hints, stale ones included (a buffer freed since), change no result and stop no region:
