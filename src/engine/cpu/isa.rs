@@ -3,9 +3,12 @@
 //! grants the tile state), else AVX-512 with VNNI (Ice Lake and later Xeons, Zen 4 and 5), else
 //! AVX-VNNI (Alder Lake and later desktop parts), else AVX2+FMA; the VNNI ones change only the
 //! 4-bit decode kernel (`x86.rs`), AVX-512 the prompt's f32 tile, AVX-512 VNNI and AMX the
-//! prompt's `fast` GEMM (`vnni.rs`, `amx.rs`); everything else runs its AVX2 code there. On aarch64 NEON with the dot-product extension (`sdot`: every Apple
-//! Silicon CPU, Graviton 2 and later) or plain NEON (every aarch64 CPU); else the scalar path.
-//! `BOT_CPU_ISA=scalar|avx2|avx-vnni|avx512-vnni|amx|neon|neon-dotprod` overrides it (tests of the fallbacks, bisecting a wrong
+//! prompt's `fast` GEMM (`vnni.rs`, `amx.rs`); everything else runs its AVX2 code there. On aarch64 NEON with the int8
+//! matrix-multiply extension (`smmla`: Apple M2 and later, Graviton 3 and later; the prompt's
+//! `fast` GEMM, `i8mm.rs`) and the dot-product one, else NEON with the dot-product extension
+//! (`sdot`: every Apple Silicon CPU, Graviton 2 and later), else plain NEON (every aarch64
+//! CPU); else the scalar path.
+//! `BOT_CPU_ISA=scalar|avx2|avx-vnni|avx512-vnni|amx|neon|neon-dotprod|neon-i8mm` overrides it (tests of the fallbacks, bisecting a wrong
 //! result); naming an instruction set this CPU lacks is an error at start-up, not a crash.
 
 use std::sync::OnceLock;
@@ -16,6 +19,7 @@ pub enum Isa {
     Avx512Vnni,
     AvxVnni,
     Avx2,
+    NeonI8mm,
     NeonDot,
     Neon,
     Scalar,
@@ -23,11 +27,12 @@ pub enum Isa {
 
 impl Isa {
     /// Best first.
-    pub const ALL: [Isa; 7] = [
+    pub const ALL: [Isa; 8] = [
         Isa::Amx,
         Isa::Avx512Vnni,
         Isa::AvxVnni,
         Isa::Avx2,
+        Isa::NeonI8mm,
         Isa::NeonDot,
         Isa::Neon,
         Isa::Scalar,
@@ -49,6 +54,7 @@ impl Isa {
             Isa::Avx512Vnni => "avx512-vnni",
             Isa::AvxVnni => "avx-vnni",
             Isa::Avx2 => "avx2",
+            Isa::NeonI8mm => "neon-i8mm",
             Isa::NeonDot => "neon-dotprod",
             Isa::Neon => "neon",
             Isa::Scalar => "scalar",
@@ -88,6 +94,11 @@ impl Isa {
                 std::arch::is_aarch64_feature_detected!("neon")
                     && std::arch::is_aarch64_feature_detected!("dotprod")
             }
+            // every CPU with i8mm has dotprod too; decode then takes `sdot`
+            #[cfg(target_arch = "aarch64")]
+            Isa::NeonI8mm => {
+                Isa::NeonDot.supported() && std::arch::is_aarch64_feature_detected!("i8mm")
+            }
             #[allow(unreachable_patterns)]
             _ => false,
         }
@@ -109,7 +120,7 @@ pub fn from_env(value: Option<&str>) -> Result<Option<Isa>, String> {
     };
     let isa = Isa::parse(v).ok_or_else(|| {
         format!(
-            "BOT_CPU_ISA={v:?}: expected scalar, avx2, avx-vnni, avx512-vnni, amx, neon or neon-dotprod"
+            "BOT_CPU_ISA={v:?}: expected scalar, avx2, avx-vnni, avx512-vnni, amx, neon, neon-dotprod or neon-i8mm"
         )
     })?;
     if !isa.supported() {

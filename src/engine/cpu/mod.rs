@@ -1,4 +1,4 @@
-//! The CPU backend: quantized matmul kernels (AVX-512/AVX-VNNI and AVX2 on x86-64, NEON on aarch64, a scalar path
+//! The CPU backend: quantized matmul kernels (AVX-512/AVX-VNNI and AVX2 on x86-64, NEON with sdot and i8mm on aarch64, a scalar path
 //! everywhere; `isa` picks), the packed prompt GEMM, attention over the KV cache and the sampler.
 
 pub mod act;
@@ -6,6 +6,7 @@ pub mod amx;
 pub mod attention;
 pub mod gemm;
 pub mod heap;
+pub mod i8mm;
 pub mod isa;
 pub mod norm;
 pub mod quant;

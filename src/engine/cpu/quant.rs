@@ -40,6 +40,9 @@ pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], kernel: Numerics
         Numerics::Fast if m >= GEMM_MIN_ROWS && crate::engine::cpu::vnni::usable(w) => {
             crate::engine::cpu::vnni::qgemm(w, x, m, y)
         }
+        Numerics::Fast if m >= GEMM_MIN_ROWS && crate::engine::cpu::i8mm::usable(w) => {
+            crate::engine::cpu::i8mm::qgemm(w, x, m, y)
+        }
         _ if m >= GEMM_MIN_ROWS && crate::engine::cpu::gemm::available() => {
             crate::engine::cpu::gemm::qgemm(w, x, m, y)
         }
@@ -53,8 +56,8 @@ pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], kernel: Numerics
 /// From this many activation rows on (prefill), weights are dequantized a tile of rows at a
 /// time and multiplied with an f32 GEMM: each dequantized value then serves every row, and the
 /// arithmetic is the `Exact` kernel's (f32 values, f32 accumulation) whatever `Numerics` says,
-/// except `Fast` on AMX (`amx.rs`: 15-bit activations on int8 tiles) and AVX-512 VNNI
-/// (`vnni.rs`: the same numbers with `vpdpwssd`).
+/// except `Fast` on AMX (`amx.rs`: 15-bit activations on int8 tiles), AVX-512 VNNI
+/// (`vnni.rs`: the same numbers with `vpdpwssd`) and NEON i8mm (`i8mm.rs`: with `smmla`).
 pub const GEMM_MIN_ROWS: usize = 8;
 const TILE_ROWS: usize = 128;
 
@@ -662,8 +665,9 @@ pub fn qmatmul_vec(w: &QMatrix, x: &[f32], m: usize, kernel: Numerics) -> Vec<f3
 }
 
 /// `qmatmul` of `m` rows against several matrices of the same input (q|k|v, gate|up), where a
-/// shared path exists: a decode row (`qmatvec_shared`), or a `fast` prompt on AMX or AVX-512
-/// VNNI (`amx`/`vnni::qgemm_shared`: the activations laid out once, one parallel region). Same
+/// shared path exists: a decode row (`qmatvec_shared`), or a `fast` prompt on AMX, AVX-512
+/// VNNI or NEON i8mm (`amx`/`vnni`/`i8mm::qgemm_shared`: the activations laid out once, one
+/// parallel region). Same
 /// arithmetic as `qmatmul` on each; `None` where the caller should run them one by one.
 pub fn qmatmul_shared(
     ws: &[&QMatrix],
@@ -681,11 +685,13 @@ pub fn qmatmul_shared(
     if kernel != Numerics::Fast || m < GEMM_MIN_ROWS {
         return None;
     }
-    use crate::engine::cpu::{amx, vnni};
+    use crate::engine::cpu::{amx, i8mm, vnni};
     if ws.iter().all(|w| amx::usable(w)) {
         Some(amx::qgemm_shared(ws, x, m))
     } else if ws.iter().all(|w| vnni::usable(w)) {
         Some(vnni::qgemm_shared(ws, x, m))
+    } else if ws.iter().all(|w| i8mm::usable(w)) {
+        Some(i8mm::qgemm_shared(ws, x, m))
     } else {
         None
     }
@@ -794,12 +800,12 @@ fn int_task(
             let take = (m - i).min(MR);
             let out = &mut out[i..i + take];
             // SAFETY: the integer kernels are only chosen when `isa` was detected at run time
-            // (AVX2 and FMA, or NEON, with `sdot` for NeonDot) and the scales are bf16; the
+            // (AVX2 and FMA, or NEON, with `sdot` for NeonDot and NeonI8mm) and the scales are bf16; the
             // slices hold one row of codes, scales and biases, `a` the activations of rows
             // `i..i + take`.
             match isa {
                 Isa::Neon => unsafe { neon::q4_rows(row, sb, bb, &shape, a, i, take, split, out) },
-                Isa::NeonDot => unsafe {
+                Isa::NeonDot | Isa::NeonI8mm => unsafe {
                     neon::q4_rows_dot(row, sb, bb, &shape, a, i, take, split, out)
                 },
                 // (the x86 sets returned above, through `x86.rs`)
@@ -1056,7 +1062,7 @@ mod tests {
     }
 
     /// A `fast` prompt against matrices sharing one input gives each matrix's own `qmatmul`
-    /// bits where a shared prompt path runs (AMX, AVX-512 VNNI), and is refused (`None`)
+    /// bits where a shared prompt path runs (AMX, AVX-512 VNNI, NEON i8mm), and is refused (`None`)
     /// elsewhere, for `exact`, and for too few rows.
     #[test]
     fn shared_input_prompts_equal_one_by_one() {
@@ -1068,7 +1074,7 @@ mod tests {
             .collect();
         let refs: Vec<&QMatrix> = ws.iter().collect();
         let x = rand_x(m, k, 19);
-        let shared = matches!(isa::active(), Isa::Amx | Isa::Avx512Vnni);
+        let shared = matches!(isa::active(), Isa::Amx | Isa::Avx512Vnni | Isa::NeonI8mm);
         let got = qmatmul_shared(&refs, &x, m, Numerics::Fast);
         assert_eq!(got.is_some(), shared, "{:?}", isa::active());
         for (w, y) in ws.iter().zip(got.iter().flatten()) {
