@@ -15,7 +15,8 @@
 //! Layout: a dot product does not depend on the order of its terms, so both sides take a
 //! 32-value half-block in the order the packed bytes hold it, split by nibble: chunk 0 the low
 //! nibbles of bytes 0..8 (values 0, 2, .., 14), chunk 1 of bytes 8..16, chunks 2 and 3 the high
-//! nibbles (the odd values). A tile of `R` = 4 weight rows is unpacked once a call into
+//! nibbles (the odd values). A tile of `R` = 4 weight rows is unpacked once a call (NEON: a
+//! mask, a shift and a 64-bit zip per 16 bytes) into
 //! registers of two rows' 8 codes (`[block][chunk][row pair]`); the activations once a call
 //! into registers of two tokens' 8 bytes (`[token pair][block][chunk][lo, hi]`). A tile of 4
 //! tokens by 4 rows keeps 8 i32 accumulators (lo and hi sums of each 2x2) over a block's 8
@@ -133,8 +134,8 @@ struct Panel {
 }
 
 impl Panel {
-    /// Rows `n0..n0 + R` of `w` (zeros past its last row).
-    fn fill(&mut self, w: &QMatrix, n0: usize) {
+    /// Rows `n0..n0 + R` of `w` (zeros past its last row); the codes by NEON for `Mm::Hw`.
+    fn fill(&mut self, w: &QMatrix, n0: usize, mm: Mm) {
         let (kbs, gpr, rb) = (w.cols / KB, w.groups_per_row(), w.row_bytes());
         let (scales, biases) = (w.scales.view(), w.biases.view());
         self.q.clear();
@@ -153,6 +154,9 @@ impl Panel {
                     self.s[kb * 2 + rp][l] = s;
                     self.b[kb * 2 + rp][l] = b;
                 }
+                if mm == Mm::Hw {
+                    continue;
+                }
                 let bytes = &w.packed[n * rb + kb * KB / 2..][..KB / 2];
                 for c in 0..CHUNKS {
                     let (half, cc) = (c / 4, c % 4);
@@ -163,6 +167,11 @@ impl Panel {
                     }
                 }
             }
+        }
+        if mm == Mm::Hw {
+            // SAFETY: `Hw` is chosen through `usable`: the CPU has NEON; `self.q` holds
+            // `kbs` blocks (resized above).
+            unsafe { hw::fill_codes(&mut self.q, w, n0) };
         }
     }
 }
@@ -188,7 +197,7 @@ fn run(ws: &[&QMatrix], x: &[f32], m: usize, ys: &mut [&mut [MaybeUninit<f32>]],
         .for_each(|(i, t0, t1)| {
             let mut panel = Panel::default();
             for t in t0..t1 {
-                panel.fill(ws[i], t * R);
+                panel.fill(ws[i], t * R, mm);
                 for tp in (0..m.div_ceil(2)).step_by(T / 2) {
                     let y = match mm {
                         // SAFETY: `Hw` is chosen by `qgemm` through `usable`: the CPU has NEON
@@ -285,6 +294,51 @@ mod hw {
         acc
     }
 
+    /// `Panel::fill`'s codes on NEON: per half-block of a row pair, the two rows' 16 bytes
+    /// split into low and high nibbles, then paired 8 bytes from each row (`zip` on 64-bit
+    /// lanes): chunks 0-3 as the portable loop lays them out. A row past the matrix is zeros.
+    ///
+    /// # Safety
+    /// The CPU has NEON; `q` holds `w.cols / 64` blocks of chunks.
+    #[target_feature(enable = "neon")]
+    pub(super) unsafe fn fill_codes(
+        q: &mut [[i8; 16]],
+        w: &crate::engine::quant::QMatrix,
+        n0: usize,
+    ) {
+        let (kbs, rb) = (w.cols / super::KB, w.row_bytes());
+        assert!(q.len() >= kbs * CHUNKS * 2);
+        let mask = vdupq_n_u8(0x0f);
+        for rp in 0..2 {
+            let rows = [n0 + 2 * rp, n0 + 2 * rp + 1];
+            for kb in 0..kbs {
+                for half in 0..2 {
+                    let [v0, v1] = rows.map(|n| {
+                        if n < w.rows {
+                            vld1q_u8(
+                                w.packed[n * rb + kb * super::KB / 2 + half * 16..][..16].as_ptr(),
+                            )
+                        } else {
+                            vdupq_n_u8(0)
+                        }
+                    });
+                    let lo = [v0, v1].map(|v| vreinterpretq_u64_u8(vandq_u8(v, mask)));
+                    let hi = [v0, v1].map(|v| vreinterpretq_u64_u8(vshrq_n_u8::<4>(v)));
+                    let chunks = [
+                        vzip1q_u64(lo[0], lo[1]),
+                        vzip2q_u64(lo[0], lo[1]),
+                        vzip1q_u64(hi[0], hi[1]),
+                        vzip2q_u64(hi[0], hi[1]),
+                    ];
+                    for (cc, v) in chunks.into_iter().enumerate() {
+                        let at = (kb * CHUNKS + half * 4 + cc) * 2 + rp;
+                        vst1q_s8(q[at].as_mut_ptr(), vreinterpretq_s8_u64(v));
+                    }
+                }
+            }
+        }
+    }
+
     /// `soft_tile` on NEON, step for step (the same i32 sums, the same f32 operations in the
     /// same order).
     ///
@@ -335,6 +389,15 @@ mod hw {
 #[cfg(not(target_arch = "aarch64"))]
 mod hw {
     use super::{Acts, Panel};
+
+    /// Never reached: `usable` is false off aarch64.
+    pub(super) unsafe fn fill_codes(
+        _: &mut [[i8; 16]],
+        _: &crate::engine::quant::QMatrix,
+        _: usize,
+    ) {
+        unreachable!("the i8mm kernel is chosen only on aarch64")
+    }
 
     /// Never reached: `usable` is false off aarch64.
     pub(super) unsafe fn tile(_: &Panel, _: &Acts, _: usize) -> [[[f32; 4]; 2]; 2] {
