@@ -1,8 +1,9 @@
 //! The prompt GEMM of 4-bit weights on aarch64 with the int8 matrix-multiply extension
 //! (FEAT_I8MM, `smmla`: Apple M2 and later, Graviton 3 and later), for the `fast` arithmetic:
 //! `y (m x rows) = x (m x cols) @ dequant(w)^T` with exactly the numbers of `vnni.rs` and
-//! `amx.rs`: per 64-value block of a token `d = max|x| / 16383`, 15-bit codes split `xq = 128·hi
-//! + lo` (`hi` signed, `lo` in 0..127, one byte each, `vnni::quantize`), the i32 sums exact,
+//! `amx.rs`: per 64-value block of a token `d = max|x| / 16383` and 15-bit codes
+//! (`vnni::quantize`), split here `xq = 128·hi + lo` (`hi` signed, `lo` in 0..127, one byte
+//! each), the i32 sums exact,
 //! then `y = fma(b, Σx, fma(c·d, s, y))` in f32 block after block. The slow references are
 //! `amx::soft_gemm` (the same bits, tested) and `QMatrix::matmul_reference` (within what
 //! rounding x to 15 bits moves). Without i8mm a prompt takes the f32 GEMM (`exact`'s numbers).
@@ -40,6 +41,10 @@ const R: usize = 4;
 const T: usize = 4;
 /// 8-value chunks a 64-value block holds.
 const CHUNKS: usize = KB / 8;
+/// Token pairs whose activations a task runs over all its tiles before the next ones (32
+/// tokens: 64 KiB of activations at 1024 columns, 256 KiB at 4096), so that a long prompt's
+/// activations are not streamed again for every 4-row tile.
+const TOKEN_PAIRS: usize = 16;
 
 /// Whether the prompt GEMM of `w` runs here: the process's instruction set is `neon-i8mm` and
 /// `w` has 4-bit codes in groups of 64 or a multiple.
@@ -189,24 +194,36 @@ fn run(ws: &[&QMatrix], x: &[f32], m: usize, ys: &mut [&mut [MaybeUninit<f32>]],
         .map(|y| SyncPtr(y.as_mut_ptr().cast()))
         .collect();
     let tiles: usize = ws.iter().map(|w| w.rows.div_ceil(R)).sum();
+    // a task's unpacked tiles (k/2 bytes of codes each) stay within 256 KiB, and each block
+    // of `TOKEN_PAIRS` token pairs' activations is read once per task, not once per tile
+    let cap = ((256 << 10) / (k / 2).max(1)).clamp(1, 64);
     let per_task = tiles
         .div_ceil(rayon::current_num_threads().max(1) * 8)
-        .max(1);
+        .clamp(1, cap);
     vnni::tile_runs(ws, R, per_task)
         .into_par_iter()
         .for_each(|(i, t0, t1)| {
-            let mut panel = Panel::default();
-            for t in t0..t1 {
-                panel.fill(ws[i], t * R, mm);
-                for tp in (0..m.div_ceil(2)).step_by(T / 2) {
-                    let y = match mm {
-                        // SAFETY: `Hw` is chosen by `qgemm` through `usable`: the CPU has NEON
-                        // and i8mm; `panel` and `acts` hold whole blocks of this call's width.
-                        Mm::Hw => unsafe { hw::tile(&panel, &acts, tp) },
-                        #[cfg(test)]
-                        Mm::Soft => soft_tile(&panel, &acts, tp),
-                    };
-                    store(&y, m, ws[i].rows, t * R, tp, &outs[i]);
+            let panels: Vec<Panel> = (t0..t1)
+                .map(|t| {
+                    let mut p = Panel::default();
+                    p.fill(ws[i], t * R, mm);
+                    p
+                })
+                .collect();
+            let pairs = m.div_ceil(2);
+            for tb in (0..pairs).step_by(TOKEN_PAIRS) {
+                for (t, panel) in (t0..t1).zip(&panels) {
+                    for tp in (tb..pairs.min(tb + TOKEN_PAIRS)).step_by(T / 2) {
+                        let y = match mm {
+                            // SAFETY: `Hw` is chosen by `qgemm` through `usable`: the CPU has
+                            // NEON and i8mm; `panel` and `acts` hold whole blocks of this
+                            // call's width.
+                            Mm::Hw => unsafe { hw::tile(panel, &acts, tp) },
+                            #[cfg(test)]
+                            Mm::Soft => soft_tile(panel, &acts, tp),
+                        };
+                        store(&y, m, ws[i].rows, t * R, tp, &outs[i]);
+                    }
                 }
             }
         });

@@ -651,8 +651,9 @@ fn int_ok(w: &QMatrix, isa: Isa) -> bool {
         && isa != Isa::Scalar
 }
 
-/// `qmatmul` into a new vector. The prompt GEMMs that write every output (`fast` on AMX or
-/// AVX-512 VNNI) get it without clearing it first (`vnni::shared_outputs`); others a zeroed one.
+/// `qmatmul` into a new vector. The prompt GEMMs that write every output (`fast` on AMX,
+/// AVX-512 VNNI or NEON i8mm) get it without clearing it first (`vnni::shared_outputs`);
+/// others a zeroed one.
 pub fn qmatmul_vec(w: &QMatrix, x: &[f32], m: usize, kernel: Numerics) -> Vec<f32> {
     if m >= GEMM_MIN_ROWS {
         if let Some(y) = qmatmul_shared(&[w], x, m, kernel).and_then(|mut ys| ys.pop()) {

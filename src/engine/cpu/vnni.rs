@@ -115,9 +115,10 @@ pub fn qgemm_shared(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
 }
 
 /// The outputs of a shared-input call (`m x rows` each), filled by `run(outs)`, which must
-/// write every element (`run` here and `amx.rs`'s do: each of a call's tiles stores its rows
-/// for every token). They are not zeroed first: a prompt's outputs are megabytes a layer, and
-/// clearing them took 3.8% of a 64-token 0.6B prefill on the Zen 4. Also `amx.rs`'s.
+/// write every element (`run` here, `amx.rs`'s and `i8mm.rs`'s do: each of a call's tiles
+/// stores its rows for every token). They are not zeroed first: a prompt's outputs are
+/// megabytes a layer, and clearing them took 3.8% of a 64-token 0.6B prefill on the Zen 4.
+/// Also `amx.rs`'s and `i8mm.rs`'s.
 pub(crate) fn shared_outputs(
     ws: &[&QMatrix],
     m: usize,
@@ -148,7 +149,7 @@ pub(crate) unsafe fn as_uninit(y: &mut [f32]) -> &mut [MaybeUninit<f32>] {
 }
 
 /// Checks a call's shapes (every matrix `shape_ok` and as wide as `x`'s rows, each output
-/// `m x rows`); returns that width. Also `amx.rs`'s.
+/// `m x rows`); returns that width. Also `amx.rs`'s and `i8mm.rs`'s.
 pub(crate) fn check_shapes(
     ws: &[&QMatrix],
     x: &[f32],
@@ -164,7 +165,7 @@ pub(crate) fn check_shapes(
 }
 
 /// A parallel region's tasks: `(matrix, first tile, end tile)`, runs of at most `per_task`
-/// tiles of `tile_rows` rows within one matrix. Also `amx.rs`'s.
+/// tiles of `tile_rows` rows within one matrix. Also `amx.rs`'s and `i8mm.rs`'s.
 pub(crate) fn tile_runs(
     ws: &[&QMatrix],
     tile_rows: usize,
