@@ -677,7 +677,19 @@ pub(crate) fn soft_gemm(w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
     y
 }
 
-/// A case of the 15-bit prompt GEMM tests (here and `vnni.rs`): `rows x k` random 4-bit
+/// The shapes of the 15-bit prompt GEMM tests (here, `vnni.rs`, `i8mm.rs`): (group size,
+/// tokens, columns, rows), with token and row tails and groups of 64 and 128.
+#[cfg(test)]
+pub(crate) const TEST_SHAPES: [(usize, usize, usize, usize); 6] = [
+    (64, 16, 64, 32),
+    (64, 17, 1024, 50),
+    (128, 64, 640, 96),
+    (64, 8, 192, 7),
+    (128, 33, 256, 64),
+    (64, 9, 128, 200),
+];
+
+/// A case of the 15-bit prompt GEMM tests (here, `vnni.rs` and `i8mm.rs`): `rows x k` random 4-bit
 /// weights in groups of `gs` (bf16, f16 or f32 scales by `seed`) and `m` tokens of inputs in
 /// ±2 with an outlier, a zero block and a negative extreme.
 #[cfg(test)]
@@ -758,17 +770,7 @@ mod tests {
         if !hw {
             eprintln!("tiles_match_reference_and_hardware: no AMX here; emulated tiles only");
         }
-        for (seed, (gs, m, k, rows)) in [
-            (64, 16, 64, 32),
-            (64, 17, 1024, 50),
-            (128, 64, 640, 96),
-            (64, 8, 192, 7),
-            (128, 33, 256, 64),
-            (64, 9, 128, 200),
-        ]
-        .into_iter()
-        .enumerate()
-        {
+        for (seed, (gs, m, k, rows)) in TEST_SHAPES.into_iter().enumerate() {
             let (w, x) = test_case(seed, gs, m, k, rows);
             let got = soft(&w, &x, m);
             let (want, max) = assert_within_rounding(&w, &x, m, &got);

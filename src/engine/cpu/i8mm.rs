@@ -131,7 +131,6 @@ fn prepare(x: &[f32], m: usize, k: usize) -> Acts {
 
 /// A tile of `R` weight rows, unpacked: per block and chunk, two row pairs' codes; per block,
 /// the scales and biases as a tile's result lanes want them (`[r0, r1, r0, r1]` a row pair).
-#[derive(Default)]
 struct Panel {
     q: Vec<[i8; 16]>,
     s: Vec<[f32; 4]>,
@@ -140,15 +139,14 @@ struct Panel {
 
 impl Panel {
     /// Rows `n0..n0 + R` of `w` (zeros past its last row); the codes by NEON for `Mm::Hw`.
-    fn fill(&mut self, w: &QMatrix, n0: usize, mm: Mm) {
-        let (kbs, gpr, rb) = (w.cols / KB, w.groups_per_row(), w.row_bytes());
+    fn new(w: &QMatrix, n0: usize, mm: Mm) -> Panel {
+        let (kbs, gpr) = (w.cols / KB, w.groups_per_row());
         let (scales, biases) = (w.scales.view(), w.biases.view());
-        self.q.clear();
-        self.q.resize(kbs * CHUNKS * 2, [0; 16]);
-        self.s.clear();
-        self.s.resize(kbs * 2, [0.0; 4]);
-        self.b.clear();
-        self.b.resize(kbs * 2, [0.0; 4]);
+        let mut p = Panel {
+            q: vec![[0; 16]; kbs * CHUNKS * 2],
+            s: vec![[0.0; 4]; kbs * 2],
+            b: vec![[0.0; 4]; kbs * 2],
+        };
         for r in 0..R.min(w.rows.saturating_sub(n0)) {
             let n = n0 + r;
             let (rp, lane) = (r / 2, r % 2);
@@ -156,27 +154,40 @@ impl Panel {
                 let g = kb * KB / w.params.group_size;
                 let (s, b) = (scales.get(n * gpr + g), biases.get(n * gpr + g));
                 for l in [lane, lane + 2] {
-                    self.s[kb * 2 + rp][l] = s;
-                    self.b[kb * 2 + rp][l] = b;
-                }
-                if mm == Mm::Hw {
-                    continue;
-                }
-                let bytes = &w.packed[n * rb + kb * KB / 2..][..KB / 2];
-                for c in 0..CHUNKS {
-                    let (half, cc) = (c / 4, c % 4);
-                    for j in 0..8 {
-                        let byte = bytes[half * 16 + 8 * (cc % 2) + j];
-                        let code = if cc < 2 { byte & 15 } else { byte >> 4 };
-                        self.q[(kb * CHUNKS + c) * 2 + rp][8 * lane + j] = code as i8;
-                    }
+                    p.s[kb * 2 + rp][l] = s;
+                    p.b[kb * 2 + rp][l] = b;
                 }
             }
         }
-        if mm == Mm::Hw {
-            // SAFETY: `Hw` is chosen through `usable`: the CPU has NEON; `self.q` holds
-            // `kbs` blocks (resized above).
-            unsafe { hw::fill_codes(&mut self.q, w, n0) };
+        match mm {
+            // SAFETY: `Hw` is chosen through `usable`: the CPU has NEON; `p.q` holds `kbs`
+            // blocks of chunks.
+            Mm::Hw => unsafe { hw::fill_codes(&mut p.q, w, n0) },
+            #[cfg(test)]
+            Mm::Soft => soft_codes(&mut p.q, w, n0),
+        }
+        p
+    }
+}
+
+/// `hw::fill_codes` in portable Rust: chunk `c` of a block takes the low (`c % 4 < 2`) or
+/// high nibbles of 8 of a half-block's bytes, row `2·rp` in bytes 0..8 of its register and
+/// row `2·rp + 1` in 8..16 (`value_of`'s order).
+#[cfg(test)]
+fn soft_codes(q: &mut [[i8; 16]], w: &QMatrix, n0: usize) {
+    let (kbs, rb) = (w.cols / KB, w.row_bytes());
+    for r in 0..R.min(w.rows.saturating_sub(n0)) {
+        let (n, rp, lane) = (n0 + r, r / 2, r % 2);
+        for kb in 0..kbs {
+            let bytes = &w.packed[n * rb + kb * KB / 2..][..KB / 2];
+            for c in 0..CHUNKS {
+                let (half, cc) = (c / 4, c % 4);
+                for j in 0..8 {
+                    let byte = bytes[half * 16 + 8 * (cc % 2) + j];
+                    let code = if cc < 2 { byte & 15 } else { byte >> 4 };
+                    q[(kb * CHUNKS + c) * 2 + rp][8 * lane + j] = code as i8;
+                }
+            }
         }
     }
 }
@@ -203,13 +214,7 @@ fn run(ws: &[&QMatrix], x: &[f32], m: usize, ys: &mut [&mut [MaybeUninit<f32>]],
     vnni::tile_runs(ws, R, per_task)
         .into_par_iter()
         .for_each(|(i, t0, t1)| {
-            let panels: Vec<Panel> = (t0..t1)
-                .map(|t| {
-                    let mut p = Panel::default();
-                    p.fill(ws[i], t * R, mm);
-                    p
-                })
-                .collect();
+            let panels: Vec<Panel> = (t0..t1).map(|t| Panel::new(ws[i], t * R, mm)).collect();
             let pairs = m.div_ceil(2);
             for tb in (0..pairs).step_by(TOKEN_PAIRS) {
                 for (t, panel) in (t0..t1).zip(&panels) {
@@ -452,18 +457,9 @@ mod tests {
         if !hw {
             eprintln!("i8mm: NEON smmla not run, no FEAT_I8MM here (the portable steps are)");
         }
-        for (seed, (gs, m, k, rows)) in [
-            (64, 16, 64, 32),
-            (64, 17, 1024, 50),
-            (128, 64, 640, 96),
-            (64, 8, 192, 7),
-            (128, 33, 256, 64),
-            (64, 9, 128, 201),
-            (64, 3, 128, 13),
-        ]
-        .into_iter()
-        .enumerate()
-        {
+        let shapes = crate::engine::cpu::amx::TEST_SHAPES.into_iter();
+        let extra = [(64, 9, 128, 201), (64, 3, 128, 13)];
+        for (seed, (gs, m, k, rows)) in shapes.take(5).chain(extra).enumerate() {
             let (w, x) = crate::engine::cpu::amx::test_case(seed, gs, m, k, rows);
             let tiles = crate::engine::cpu::amx::soft_gemm(&w, &x, m);
             let mms: &[Mm] = if hw { &[Mm::Soft, Mm::Hw] } else { &[Mm::Soft] };

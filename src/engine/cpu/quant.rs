@@ -668,8 +668,8 @@ pub fn qmatmul_vec(w: &QMatrix, x: &[f32], m: usize, kernel: Numerics) -> Vec<f3
 /// `qmatmul` of `m` rows against several matrices of the same input (q|k|v, gate|up), where a
 /// shared path exists: a decode row (`qmatvec_shared`), or a `fast` prompt on AMX, AVX-512
 /// VNNI or NEON i8mm (`amx`/`vnni`/`i8mm::qgemm_shared`: the activations laid out once, one
-/// parallel region). Same
-/// arithmetic as `qmatmul` on each; `None` where the caller should run them one by one.
+/// parallel region). Same arithmetic as `qmatmul` on each; `None` where the caller should run
+/// them one by one.
 pub fn qmatmul_shared(
     ws: &[&QMatrix],
     x: &[f32],
@@ -801,9 +801,9 @@ fn int_task(
             let take = (m - i).min(MR);
             let out = &mut out[i..i + take];
             // SAFETY: the integer kernels are only chosen when `isa` was detected at run time
-            // (AVX2 and FMA, or NEON, with `sdot` for NeonDot and NeonI8mm) and the scales are bf16; the
-            // slices hold one row of codes, scales and biases, `a` the activations of rows
-            // `i..i + take`.
+            // (AVX2 and FMA, or NEON, with `sdot` for NeonDot and NeonI8mm) and the scales are
+            // bf16; the slices hold one row of codes, scales and biases, `a` the activations of
+            // rows `i..i + take`.
             match isa {
                 Isa::Neon => unsafe { neon::q4_rows(row, sb, bb, &shape, a, i, take, split, out) },
                 Isa::NeonDot | Isa::NeonI8mm => unsafe {
@@ -1063,8 +1063,8 @@ mod tests {
     }
 
     /// A `fast` prompt against matrices sharing one input gives each matrix's own `qmatmul`
-    /// bits where a shared prompt path runs (AMX, AVX-512 VNNI, NEON i8mm), and is refused (`None`)
-    /// elsewhere, for `exact`, and for too few rows.
+    /// bits where a shared prompt path runs (AMX, AVX-512 VNNI, NEON i8mm), and is refused
+    /// (`None`) elsewhere, for `exact`, and for too few rows.
     #[test]
     fn shared_input_prompts_equal_one_by_one() {
         let (k, m) = (640, 37);
