@@ -33,6 +33,8 @@ export REQUIRE_PDS=1
 fs=$(stat -f -c %T "${TMPDIR:-/tmp}" 2>/dev/null || true)
 kv=$(uname -r | awk -F. '{print $1 * 100 + $2}')
 if [ "$fs" = xfs ] || { [ "$fs" = ext2/ext3 ] && [ "$kv" -ge 616 ]; }; then export REQUIRE_HUGE_FILE_MAPS=1; fi
+# the 256-bit prompt GEMM's AVX2 half runs on every x86-64 machine CI has (vnni.rs)
+[ "$(uname -m)" != x86_64 ] || export REQUIRE_AVX2=1
 cargo test --locked "$@"
 # The default (fast) kernel's greedy ids against mlx_lm on every CPU instruction set this
 # machine has (BOT_CPU_ISA is per process); the ones it lacks are named, not silently skipped.

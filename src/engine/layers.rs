@@ -191,7 +191,7 @@ impl Linear {
     }
 
     /// `forward` of each of `ls` on the same `x`. On the CPU, where `qmatmul_shared` has a path
-    /// (a decode row on the integer kernel, a `fast` prompt on AMX or AVX-512 VNNI), they run as one
+    /// (a decode row on the integer kernel, a `fast` prompt on an integer GEMM), they run as one
     /// call: the input quantized once, one hand-off to the workers; anything else, one
     /// `forward` each.
     pub fn forward_shared<const N: usize>(ls: [&Linear; N], x: &Tensor) -> Result<[Tensor; N]> {

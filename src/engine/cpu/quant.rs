@@ -56,8 +56,9 @@ pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], kernel: Numerics
 /// From this many activation rows on (prefill), weights are dequantized a tile of rows at a
 /// time and multiplied with an f32 GEMM: each dequantized value then serves every row, and the
 /// arithmetic is the `Exact` kernel's (f32 values, f32 accumulation) whatever `Numerics` says,
-/// except `Fast` on AMX (`amx.rs`: 15-bit activations on int8 tiles), AVX-512 VNNI
-/// (`vnni.rs`: the same numbers with `vpdpwssd`) and NEON i8mm (`i8mm.rs`: with `smmla`).
+/// except `Fast` on AMX (`amx.rs`: 15-bit activations on int8 tiles), AVX-512 VNNI, AVX-VNNI
+/// and AVX2 (`vnni.rs`: the same numbers with `vpdpwssd` or `vpmaddwd`) and NEON i8mm
+/// (`i8mm.rs`: with `smmla`).
 pub const GEMM_MIN_ROWS: usize = 8;
 const TILE_ROWS: usize = 128;
 
@@ -652,7 +653,7 @@ fn int_ok(w: &QMatrix, isa: Isa) -> bool {
 }
 
 /// `qmatmul` into a new vector. The prompt GEMMs that write every output (`fast` on AMX,
-/// AVX-512 VNNI or NEON i8mm) get it without clearing it first (`vnni::shared_outputs`);
+/// AVX-512 VNNI, AVX-VNNI, AVX2 or NEON i8mm) get it without clearing it first (`vnni::shared_outputs`);
 /// others a zeroed one.
 pub fn qmatmul_vec(w: &QMatrix, x: &[f32], m: usize, kernel: Numerics) -> Vec<f32> {
     if m >= GEMM_MIN_ROWS {
@@ -1063,7 +1064,7 @@ mod tests {
     }
 
     /// A `fast` prompt against matrices sharing one input gives each matrix's own `qmatmul`
-    /// bits where a shared prompt path runs (AMX, AVX-512 VNNI, NEON i8mm), and is refused
+    /// bits where a shared prompt path runs (AMX, AVX-512 VNNI, AVX-VNNI, AVX2, NEON i8mm), and is refused
     /// (`None`) elsewhere, for `exact`, and for too few rows.
     #[test]
     fn shared_input_prompts_equal_one_by_one() {
@@ -1075,7 +1076,10 @@ mod tests {
             .collect();
         let refs: Vec<&QMatrix> = ws.iter().collect();
         let x = rand_x(m, k, 19);
-        let shared = matches!(isa::active(), Isa::Amx | Isa::Avx512Vnni | Isa::NeonI8mm);
+        let shared = matches!(
+            isa::active(),
+            Isa::Amx | Isa::Avx512Vnni | Isa::AvxVnni | Isa::Avx2 | Isa::NeonI8mm
+        );
         let got = qmatmul_shared(&refs, &x, m, Numerics::Fast);
         assert_eq!(got.is_some(), shared, "{:?}", isa::active());
         for (w, y) in ws.iter().zip(got.iter().flatten()) {

@@ -1,5 +1,6 @@
 //! The prompt GEMM of 4-bit weights on AVX-512 VNNI (Zen 4 and 5, Ice Lake and later Xeons
-//! without AMX), for the `fast` arithmetic: `y (m x rows) = x (m x cols) @ dequant(w)^T` with
+//! without AMX), and in 256-bit registers on AVX-VNNI and AVX2 (`simd256`), for the `fast`
+//! arithmetic: `y (m x rows) = x (m x cols) @ dequant(w)^T` with
 //! the activations as 15-bit integers, one scale per 64 values, exactly as `amx.rs` has them,
 //! multiplied with `vpdpwssd` (16 lanes, each two signed 16-bit products summed into i32). The
 //! slow reference is `QMatrix::matmul_reference`; the result is also the bits of `amx.rs`'s
@@ -44,10 +45,10 @@ const R: usize = 12;
 /// The largest activation code: 15 bits with the sign.
 pub(crate) const QMAX: f32 = 16383.0;
 
-/// Whether the prompt GEMM of `w` runs here: the process's instruction set is `avx512-vnni`
-/// and `w` has 4-bit codes in groups of 64 or a multiple.
+/// Whether the prompt GEMM of `w` runs here: the process's instruction set is `avx512-vnni`,
+/// `avx-vnni` or `avx2` and `w` has 4-bit codes in groups of 64 or a multiple.
 pub fn usable(w: &QMatrix) -> bool {
-    isa::active() == Isa::Avx512Vnni && shape_ok(w)
+    matches!(isa::active(), Isa::Avx512Vnni | Isa::AvxVnni | Isa::Avx2) && shape_ok(w)
 }
 
 /// 4-bit codes, groups a multiple of the 64-value block, whole blocks a row.
@@ -87,9 +88,10 @@ pub(crate) fn quantize(blk: &[f32], q: &mut [i32; KB]) -> (f32, f32) {
     (d, sum)
 }
 
-/// `y = x @ dequant(w)^T` with `vpdpwssd`. Callers check `usable(w)` first.
+/// `y = x @ dequant(w)^T` with `vpdpwssd` (or AVX2's `vpmaddwd`). Callers check `usable(w)`
+/// first.
 pub fn qgemm(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32]) {
-    assert!(usable(w), "vnni::qgemm without AVX-512 VNNI");
+    assert!(usable(w), "vnni::qgemm without AVX2");
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the kernel stores only computed f32 sums.
     run(&[w], x, m, &mut [unsafe { as_uninit(y) }]);
@@ -102,7 +104,7 @@ pub fn qgemm(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32]) {
 pub fn qgemm_shared(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
     assert!(
         ws.iter().all(|w| usable(w)),
-        "vnni::qgemm_shared without AVX-512 VNNI"
+        "vnni::qgemm_shared without AVX2"
     );
     shared_outputs(ws, m, |_outs| {
         // `usable` (asserted above) is never true off x86-64, and `shared_outputs` must not
@@ -194,13 +196,13 @@ struct Acts {
 }
 
 /// Two i16 in one dword, `lo` in the low half (the portable layouts' packing).
-#[cfg(test)]
+#[inline(always)]
 fn pair(lo: i32, hi: i32) -> i32 {
     ((lo as u32 & 0xffff) | ((hi as u32) << 16)) as i32
 }
 
 #[cfg(target_arch = "x86_64")]
-fn prepare(x: &[f32], m: usize, k: usize) -> Acts {
+fn prepare(x: &[f32], m: usize, k: usize, isa: Isa) -> Acts {
     let (mt, kbs) = (m.div_ceil(TV), k / KB);
     let mut a = Acts {
         q: vec![0; mt * kbs * PAIRS * TV],
@@ -215,15 +217,20 @@ fn prepare(x: &[f32], m: usize, k: usize) -> Acts {
         )
         .enumerate()
         .for_each(|(j, (q, (d, sx)))| {
-            // SAFETY: `run` is reached through `usable` only: the CPU has AVX-512 F/BW/VL.
-            unsafe { simd::prepare_vector(x, m, k, j, q, d, sx) }
+            if isa == Isa::Avx512Vnni {
+                // SAFETY: the CPU has AVX-512 VNNI (`run_on`'s caller checked).
+                unsafe { simd::prepare_vector(x, m, k, j, q, d, sx) }
+            } else {
+                // SAFETY: the CPU has AVX2 (`run_on`'s caller checked).
+                unsafe { simd256::prepare_vector(x, m, k, j, q, d, sx) }
+            }
         });
     a
 }
 
 /// `prepare`'s work for token vector `j`: the definition, which `simd::prepare_vector`
-/// matches bit for bit (tested).
-#[cfg(test)]
+/// matches bit for bit (tested); `simd256` compiles it for AVX2.
+#[inline(always)]
 fn prepare_vector(
     x: &[f32],
     m: usize,
@@ -282,11 +289,21 @@ fn unpack_portable(src: &[u8], dst: &mut [i32]) {
 /// task fills a panel per tile and runs it against every token vector.
 #[cfg(target_arch = "x86_64")]
 fn run(ws: &[&QMatrix], x: &[f32], m: usize, ys: &mut [&mut [MaybeUninit<f32>]]) {
+    let isa = isa::active();
+    assert!(matches!(isa, Isa::Avx512Vnni | Isa::AvxVnni | Isa::Avx2));
+    run_on(isa, ws, x, m, ys)
+}
+
+/// `run` with the kernels of `isa` (`Avx512Vnni`, `AvxVnni` or `Avx2`), which the CPU has
+/// (asserted).
+#[cfg(target_arch = "x86_64")]
+fn run_on(isa: Isa, ws: &[&QMatrix], x: &[f32], m: usize, ys: &mut [&mut [MaybeUninit<f32>]]) {
+    assert!(isa.supported() && matches!(isa, Isa::Avx512Vnni | Isa::AvxVnni | Isa::Avx2));
     let k = check_shapes(ws, x, m, ys);
     if m == 0 {
         return;
     }
-    let acts = prepare(x, m, k);
+    let acts = prepare(x, m, k, isa);
     let outs: Vec<SyncPtr> = ys
         .iter_mut()
         .map(|y| SyncPtr(y.as_mut_ptr().cast()))
@@ -302,11 +319,231 @@ fn run(ws: &[&QMatrix], x: &[f32], m: usize, ys: &mut [&mut [MaybeUninit<f32>]])
         || Panel::new(acts.kbs),
         |panel, (i, t0, t1)| {
             for tile in t0..t1 {
-                // SAFETY: `usable` held (`qgemm`): the CPU has AVX-512 F/BW/VL and VNNI.
-                unsafe { simd::tile(ws[i], &acts, m, tile * R, panel, &outs[i]) };
+                let (w, n0, out) = (ws[i], tile * R, &outs[i]);
+                // SAFETY: the CPU has the instruction set (asserted above).
+                unsafe {
+                    match isa {
+                        Isa::Avx512Vnni => simd::tile(w, &acts, m, n0, panel, out),
+                        Isa::AvxVnni => simd256::tile_vnni(w, &acts, m, n0, panel, out),
+                        _ => simd256::tile_avx2(w, &acts, m, n0, panel, out),
+                    }
+                }
             }
         },
     );
+}
+
+/// The same GEMM in 256-bit registers, for CPUs without AVX-512: with AVX-VNNI's VEX-encoded
+/// `vpdpwssd` (Alder Lake and later desktop and laptop parts; Zen 5), or with AVX2's
+/// `vpmaddwd` then `vpaddd`, which give the same i32 sums (each product of a 15-bit
+/// activation and a 4-bit code, a pair of them summed, cannot overflow). Each 16-token vector
+/// of the activations is two halves of 8; a register tile is 4 weight rows by those two halves,
+/// three of them a panel. Same f32 steps in the same order: the same bits as `simd`.
+#[cfg(target_arch = "x86_64")]
+mod simd256 {
+    use std::arch::x86_64::*;
+
+    use super::{Acts, Panel, SyncPtr, KB, PAIRS, R, TV};
+    use crate::engine::quant::QMatrix;
+
+    /// Rows of a register tile.
+    const RS: usize = 6;
+
+    /// `super::prepare_vector` compiled for AVX2.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn prepare_vector(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        j: usize,
+        q: &mut [i32],
+        d: &mut [f32],
+        sx: &mut [f32],
+    ) {
+        super::prepare_vector(x, m, k, j, q, d, sx)
+    }
+
+    /// `simd::tile` with AVX-VNNI.
+    ///
+    /// # Safety
+    /// The CPU has AVX-VNNI, AVX2 and FMA.
+    #[target_feature(enable = "avxvnni,avx2,fma")]
+    pub unsafe fn tile_vnni(
+        w: &QMatrix,
+        a: &Acts,
+        m: usize,
+        n0: usize,
+        p: &mut Panel,
+        out: &SyncPtr,
+    ) {
+        tile::<true>(w, a, m, n0, p, out)
+    }
+
+    /// `simd::tile` with AVX2.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn tile_avx2(
+        w: &QMatrix,
+        a: &Acts,
+        m: usize,
+        n0: usize,
+        p: &mut Panel,
+        out: &SyncPtr,
+    ) {
+        tile::<false>(w, a, m, n0, p, out)
+    }
+
+    /// Rows `n0..n0 + R` against every token: the panel once, then each 16-token vector.
+    #[inline(always)]
+    unsafe fn tile<const VNNI: bool>(
+        w: &QMatrix,
+        a: &Acts,
+        m: usize,
+        n0: usize,
+        p: &mut Panel,
+        out: &SyncPtr,
+    ) {
+        fill(p, w, n0);
+        // the next tile's codes on their way to L2 while this one computes (as `simd::tile`)
+        let (packed, rb): (&[u8], usize) = (&w.packed, w.row_bytes());
+        for n in (n0 + R).min(w.rows)..(n0 + 2 * R).min(w.rows) {
+            for off in (0..rb).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T1>(packed.as_ptr().add(n * rb + off) as *const i8);
+            }
+        }
+        let nr = w.rows.saturating_sub(n0).min(R);
+        for j in 0..m.div_ceil(TV) {
+            for r0 in (0..nr).step_by(RS) {
+                let f = rows::<VNNI>(a, p, j, r0);
+                store(&f, w.rows, m, n0 + r0, nr - r0, j, out);
+            }
+        }
+    }
+
+    /// Panel rows `r0..r0 + RS` against token vector `j`, every block: `[row][half]` f32 sums
+    /// of 8 tokens.
+    #[inline(always)]
+    unsafe fn rows<const VNNI: bool>(
+        a: &Acts,
+        p: &Panel,
+        j: usize,
+        r0: usize,
+    ) -> [[__m256; 2]; RS] {
+        let kbs = a.kbs;
+        let mut f = [[_mm256_setzero_ps(); 2]; RS];
+        for kb in 0..kbs {
+            let mut c = [[_mm256_setzero_si256(); 2]; RS];
+            let wq = p.q.as_ptr().add((kb * R + r0) * PAIRS);
+            let xq = a.q.as_ptr().add((j * kbs + kb) * PAIRS * TV);
+            for pp in 0..PAIRS {
+                let xv: [__m256i; 2] = std::array::from_fn(|h| {
+                    _mm256_loadu_si256(xq.add(pp * TV + 8 * h) as *const __m256i)
+                });
+                for r in 0..RS {
+                    let wv = _mm256_set1_epi32(*wq.add(r * PAIRS + pp));
+                    for h in 0..2 {
+                        c[r][h] = if VNNI {
+                            _mm256_dpwssd_avx_epi32(c[r][h], xv[h], wv)
+                        } else {
+                            _mm256_add_epi32(c[r][h], _mm256_madd_epi16(xv[h], wv))
+                        };
+                    }
+                }
+            }
+            let at = (j * kbs + kb) * TV;
+            let d: [__m256; 2] =
+                std::array::from_fn(|h| _mm256_loadu_ps(a.d.as_ptr().add(at + 8 * h)));
+            let sx: [__m256; 2] =
+                std::array::from_fn(|h| _mm256_loadu_ps(a.sx.as_ptr().add(at + 8 * h)));
+            for r in 0..RS {
+                let s = _mm256_set1_ps(*p.s.get_unchecked(kb * R + r0 + r));
+                let b = _mm256_set1_ps(*p.b.get_unchecked(kb * R + r0 + r));
+                for h in 0..2 {
+                    let v = _mm256_mul_ps(_mm256_cvtepi32_ps(c[r][h]), d[h]);
+                    f[r][h] = _mm256_fmadd_ps(b, sx[h], _mm256_fmadd_ps(v, s, f[r][h]));
+                }
+            }
+        }
+        f
+    }
+
+    /// 32 packed bytes as 32 code pairs (`super::unpack_portable`), 8 at a time.
+    #[inline(always)]
+    unsafe fn unpack(src: &[u8], dst: &mut [i32]) {
+        assert!(src.len() >= 32 && dst.len() >= 32);
+        let mask = _mm256_set1_epi32(0x000f_000f);
+        for h in 0..4 {
+            let d = _mm256_cvtepu8_epi32(_mm_loadl_epi64(src.as_ptr().add(8 * h) as *const _));
+            let v = _mm256_and_si256(_mm256_or_si256(d, _mm256_slli_epi32::<12>(d)), mask);
+            _mm256_storeu_si256(dst.as_mut_ptr().add(8 * h) as *mut _, v);
+        }
+    }
+
+    /// Rows `n0..n0 + R` of `w` into the panel (zeros past the last row), as `simd::fill`.
+    #[inline(always)]
+    unsafe fn fill(p: &mut Panel, w: &QMatrix, n0: usize) {
+        let (gpr, rb) = (w.groups_per_row(), w.row_bytes());
+        let per_group = w.params.group_size / KB;
+        let (scales, biases) = (w.scales.view(), w.biases.view());
+        let packed: &[u8] = &w.packed;
+        let kbs = w.cols / KB;
+        let nr = R.min(w.rows.saturating_sub(n0));
+        for r in 0..nr {
+            let n = n0 + r;
+            let row = &packed[n * rb..][..rb];
+            let mut kb = 0;
+            for g in n * gpr..(n + 1) * gpr {
+                let (sg, bg) = (scales.get(g), biases.get(g));
+                for _ in 0..per_group {
+                    let at = kb * R + r;
+                    unpack(
+                        &row[kb * KB / 2..][..KB / 2],
+                        &mut p.q[at * PAIRS..][..PAIRS],
+                    );
+                    (p.s[at], p.b[at]) = (sg, bg);
+                    kb += 1;
+                }
+            }
+            debug_assert_eq!(kb, kbs);
+        }
+        for r in nr..R {
+            for kb in 0..kbs {
+                let at = kb * R + r;
+                p.q[at * PAIRS..][..PAIRS].fill(0);
+                (p.s[at], p.b[at]) = (0.0, 0.0);
+            }
+        }
+    }
+
+    /// Writes rows `n0..n0 + min(RS, nr)` of token vector `j`'s sums into `y (m x rows)`, for
+    /// the tokens that exist.
+    #[inline(always)]
+    unsafe fn store(
+        f: &[[__m256; 2]; RS],
+        rows: usize,
+        m: usize,
+        n0: usize,
+        nr: usize,
+        j: usize,
+        out: &SyncPtr,
+    ) {
+        let tokens = m.saturating_sub(j * TV).min(TV);
+        for (r, fr) in f.iter().enumerate().take(nr.min(RS)) {
+            let mut v = [0f32; TV];
+            _mm256_storeu_ps(v.as_mut_ptr(), fr[0]);
+            _mm256_storeu_ps(v.as_mut_ptr().add(8), fr[1]);
+            for (t, &y) in v.iter().enumerate().take(tokens) {
+                // SAFETY (of the caller): token j·16 + t < m and row n0 + r < rows, inside y;
+                // only this task writes the columns of its rows.
+                *out.0.add((j * TV + t) * rows + n0 + r) = y;
+            }
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -649,6 +886,55 @@ mod tests {
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got.1), bits(&want.1), "token vector {j}: scales");
             assert_eq!(bits(&got.2), bits(&want.2), "token vector {j}: sums");
+        }
+    }
+
+    /// The 256-bit kernels (AVX-VNNI, and AVX2 on every x86-64 CPU these tests run on): the
+    /// bits of `amx.rs`'s emulated tiles and within 15-bit rounding of the reference, on row
+    /// and token tails (row tiles of 4 inside panels of 12), groups of 64 and 128; `qmatmul`
+    /// takes them for `fast` prompts where they are the process's instruction set.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn gemm256_matches_reference_and_amx() {
+        let (here, missing): (Vec<Isa>, Vec<Isa>) = [Isa::AvxVnni, Isa::Avx2]
+            .into_iter()
+            .partition(|i| i.supported());
+        eprintln!("256-bit prompt GEMM tested: {here:?}; not on this CPU: {missing:?}");
+        assert!(
+            std::env::var_os("REQUIRE_AVX2").is_none() || here.contains(&Isa::Avx2),
+            "REQUIRE_AVX2 is set but this CPU has no AVX2"
+        );
+        let shapes = crate::engine::cpu::amx::TEST_SHAPES.into_iter();
+        for (seed, (gs, m, k, rows)) in shapes
+            .chain([(64, 48, 128, 13), (128, 9, 256, 6)])
+            .enumerate()
+        {
+            let (w, x) = crate::engine::cpu::amx::test_case(seed, gs, m, k, rows);
+            let tiles = crate::engine::cpu::amx::soft_gemm(&w, &x, m);
+            for &isa in &here {
+                let mut got = vec![f32::NAN; m * rows];
+                // SAFETY: the kernel stores only computed f32 sums.
+                run_on(isa, &[&w], &x, m, &mut [unsafe { as_uninit(&mut got[..]) }]);
+                crate::engine::cpu::amx::assert_within_rounding(&w, &x, m, &got);
+                for (i, (a, b)) in got.iter().zip(&tiles).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{isa:?} gs {gs} m {m} k {k}: element {i}"
+                    );
+                }
+                if isa::active() == isa {
+                    let mut via = vec![f32::NAN; m * rows];
+                    crate::engine::cpu::quant::qmatmul(
+                        &w,
+                        &x,
+                        m,
+                        &mut via,
+                        crate::engine::quant::Numerics::Fast,
+                    );
+                    assert_eq!(via, got, "qmatmul's fast prompt path is this GEMM");
+                }
+            }
         }
     }
 
