@@ -42,6 +42,8 @@ for isa in scalar:fpu avx2:avx2 avx-vnni:avx_vnni avx512-vnni:avx512_vnni amx:am
   if grep -qw "${isa#*:}" /proc/cpuinfo; then
     echo "greedy ids on the fixtures with BOT_CPU_ISA=${isa%%:*}" >&2
     BOT_CPU_ISA=${isa%%:*} cargo test --locked "$@" --test integration fast_kernel_matches_mlx -- --quiet >&2
+    # ... and the prompt GEMMs as `qmatmul` routes them with that set active
+    BOT_CPU_ISA=${isa%%:*} cargo test --locked "$@" --lib -- --quiet vnni:: amx:: shared_input_prompts >&2
   else
     echo "BOT_CPU_ISA=${isa%%:*}: not on this CPU, not run" >&2
   fi

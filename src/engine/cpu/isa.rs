@@ -2,8 +2,9 @@
 //! on x86-64 AMX int8 tiles with AVX-512 VNNI (Sapphire Rapids and later Xeons, where Linux
 //! grants the tile state), else AVX-512 with VNNI (Ice Lake and later Xeons, Zen 4 and 5), else
 //! AVX-VNNI (Alder Lake and later desktop parts), else AVX2+FMA; the VNNI ones change only the
-//! 4-bit decode kernel (`x86.rs`), AVX-512 the prompt's f32 tile, AVX-512 VNNI and AMX the
-//! prompt's `fast` GEMM (`vnni.rs`, `amx.rs`); everything else runs its AVX2 code there. On aarch64 NEON with the int8
+//! 4-bit decode kernel (`x86.rs`), AVX-512 the prompt's f32 tile, and each its own `fast` prompt
+//! GEMM (`amx.rs`; `vnni.rs` in 512-bit registers, or 256-bit ones with AVX-VNNI's or AVX2's
+//! multiply-adds); everything else runs its AVX2 code there. On aarch64 NEON with the int8
 //! matrix-multiply extension (`smmla`: Apple M2 and later, Graviton 3 and later; the prompt's
 //! `fast` GEMM, `i8mm.rs`) and the dot-product one, else NEON with the dot-product extension
 //! (`sdot`: every Apple Silicon CPU, Graviton 2 and later), else plain NEON (every aarch64

@@ -668,7 +668,7 @@ pub fn qmatmul_vec(w: &QMatrix, x: &[f32], m: usize, kernel: Numerics) -> Vec<f3
 
 /// `qmatmul` of `m` rows against several matrices of the same input (q|k|v, gate|up), where a
 /// shared path exists: a decode row (`qmatvec_shared`), or a `fast` prompt on AMX, AVX-512
-/// VNNI or NEON i8mm (`amx`/`vnni`/`i8mm::qgemm_shared`: the activations laid out once, one
+/// VNNI, AVX-VNNI, AVX2 or NEON i8mm (`amx`/`vnni`/`i8mm::qgemm_shared`: the activations laid out once, one
 /// parallel region). Same arithmetic as `qmatmul` on each; `None` where the caller should run
 /// them one by one.
 pub fn qmatmul_shared(
