@@ -44,6 +44,11 @@ impl Isa {
         matches!(self, Isa::Amx | Isa::Avx512Vnni | Isa::AvxVnni | Isa::Avx2)
     }
 
+    /// An aarch64 set (NEON, which every aarch64 CPU has, and what it adds).
+    pub fn neon(self) -> bool {
+        matches!(self, Isa::NeonI8mm | Isa::NeonDot | Isa::Neon)
+    }
+
     /// An x86-64 set that includes AVX-512 F/BW/VL and VNNI.
     pub fn avx512(self) -> bool {
         matches!(self, Isa::Amx | Isa::Avx512Vnni)

@@ -13,6 +13,9 @@ use rayon::prelude::*;
 use crate::engine::cpu::quant::dot;
 use crate::engine::cpu::team;
 
+#[cfg(target_arch = "aarch64")]
+mod neon;
+
 /// A value of the KV cache: f32, or f16 for half the bytes. A decode step reads the whole
 /// cache of every layer (at the 0.6B shape 229 KB a position in f32: ~22 MB a token at 96
 /// positions, 6% of the 4-bit weights' bytes, and it grows with the context).
@@ -340,7 +343,9 @@ pub fn attend_into(
     #[cfg(target_arch = "x86_64")]
     let simd =
         crate::engine::cpu::isa::active().avx2() && std::arch::is_x86_feature_detected!("f16c");
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
+    let simd = crate::engine::cpu::isa::active().neon();
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     let simd = false;
     let rows = Rows { q, k, v, out };
     match kv {
@@ -357,8 +362,8 @@ struct Rows<'a> {
     out: &'a mut [f32],
 }
 
-/// `attend` with the AVX2 + FMA (+ F16C) kernels (`simd`, x86-64 only: the caller has checked
-/// the CPU) or the portable loops, `per_task` query heads a task (a divisor of the heads a KV
+/// `attend` with the vector kernels (`simd`: AVX2 + FMA + F16C on x86-64, NEON on aarch64; the
+/// caller has checked the CPU) or the portable loops, `per_task` query heads a task (a divisor of the heads a KV
 /// head has).
 #[allow(clippy::too_many_arguments)]
 fn attend_with<E: KvElem>(
@@ -402,6 +407,11 @@ fn attend_with<E: KvElem>(
         if simd && hd % 8 == 0 {
             // SAFETY: the CPU has AVX2 and FMA (`isa` detected them, or the caller checked).
             return unsafe { grp.run_avx2(o) };
+        }
+        #[cfg(target_arch = "aarch64")]
+        if simd && hd % 8 == 0 {
+            // SAFETY: the CPU has NEON (`isa` detected it, or the caller checked).
+            return unsafe { grp.run_neon(o) };
         }
         let _ = simd;
         grp.run(o)
@@ -464,6 +474,19 @@ impl<E: KvElem> Group<'_, E> {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn run_avx2(&self, o: &mut [f32]) {
+        self.walk::<Avx2>(o)
+    }
+
+    /// `run_avx2`'s walk with the NEON kernels (`neon.rs`; `hd` a multiple of 8).
+    #[cfg(target_arch = "aarch64")]
+    #[target_feature(enable = "neon")]
+    unsafe fn run_neon(&self, o: &mut [f32]) {
+        self.walk::<neon::Neon>(o)
+    }
+
+    /// The vector walk of `run_avx2` and `run_neon` with `K`'s kernels, inlined into each.
+    #[inline(always)]
+    unsafe fn walk<K: Lanes>(&self, o: &mut [f32]) {
         let Group {
             q,
             keys,
@@ -493,12 +516,12 @@ impl<E: KvElem> Group<'_, E> {
                 let sa = &mut sa[r * t_max..][..visible];
                 let sb = &mut sb[..if pair { visible } else { 0 }];
                 if pair {
-                    scores2::<E, true>(qa, qb, kp, hd, visible, scale, sa, sb);
+                    K::scores2::<E, true>(qa, qb, kp, hd, visible, scale, sa, sb);
                 } else {
-                    scores2::<E, false>(qa, qb, kp, hd, visible, scale, sa, sb);
+                    K::scores2::<E, false>(qa, qb, kp, hd, visible, scale, sa, sb);
                 }
-                softmax_avx2(sa);
-                softmax_avx2(sb);
+                K::softmax(sa);
+                K::softmax(sb);
                 // both from the one pointer: a second `as_mut_ptr` through the slice would
                 // reborrow the buffer and invalidate the first (stacked borrows)
                 let oa = op.add((r * l + i) * hd);
@@ -508,9 +531,9 @@ impl<E: KvElem> Group<'_, E> {
                     oa
                 };
                 if pair {
-                    pv2::<E, true>(sa, sb, vp, hd, oa, ob);
+                    K::pv2::<E, true>(sa, sb, vp, hd, oa, ob);
                 } else {
-                    pv2::<E, false>(sa, sa, vp, hd, oa, ob);
+                    K::pv2::<E, false>(sa, sa, vp, hd, oa, ob);
                 }
                 r += 2;
             }
@@ -562,6 +585,71 @@ impl<E: KvElem> Group<'_, E> {
                 }
             }
         }
+    }
+}
+
+/// The kernels `Group::walk` runs, on one instruction set: each an `#[inline(always)]` call of
+/// a function compiled for it, so that the walk, inlined into a function compiled for the
+/// same set, inlines them too.
+trait Lanes {
+    /// `sa[t] = scale · qa·k_t` and, with `P` (a pair), `sb[t] = scale · qb·k_t`, `t < visible`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn scores2<E: KvElem, const P: bool>(
+        qa: *const f32,
+        qb: *const f32,
+        kp: *const E,
+        hd: usize,
+        visible: usize,
+        scale: f32,
+        sa: &mut [f32],
+        sb: &mut [f32],
+    );
+    /// `softmax` in place.
+    unsafe fn softmax(s: &mut [f32]);
+    /// `oa = Σ_t pa[t]·v_t` and, with `P`, `ob = Σ_t pb[t]·v_t`.
+    unsafe fn pv2<E: KvElem, const P: bool>(
+        pa: &[f32],
+        pb: &[f32],
+        vp: *const E,
+        hd: usize,
+        oa: *mut f32,
+        ob: *mut f32,
+    );
+}
+
+/// The AVX2 + FMA + F16C kernels below.
+#[cfg(target_arch = "x86_64")]
+struct Avx2;
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for Avx2 {
+    #[inline(always)]
+    unsafe fn scores2<E: KvElem, const P: bool>(
+        qa: *const f32,
+        qb: *const f32,
+        kp: *const E,
+        hd: usize,
+        visible: usize,
+        scale: f32,
+        sa: &mut [f32],
+        sb: &mut [f32],
+    ) {
+        scores2::<E, P>(qa, qb, kp, hd, visible, scale, sa, sb)
+    }
+    #[inline(always)]
+    unsafe fn softmax(s: &mut [f32]) {
+        softmax_avx2(s)
+    }
+    #[inline(always)]
+    unsafe fn pv2<E: KvElem, const P: bool>(
+        pa: &[f32],
+        pb: &[f32],
+        vp: *const E,
+        hd: usize,
+        oa: *mut f32,
+        ob: *mut f32,
+    ) {
+        pv2::<E, P>(pa, pb, vp, hd, oa, ob)
     }
 }
 
@@ -936,7 +1024,9 @@ mod tests {
         let simd = is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c");
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(target_arch = "aarch64")]
+        let simd = true;
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         let simd = false;
         if !simd {
             eprintln!("attention: no AVX2 + FMA + F16C here, the portable loops only");
