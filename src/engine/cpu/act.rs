@@ -34,6 +34,11 @@ fn silu_mul_serial(g: &[f32], u: &[f32], out: &mut [f32]) {
         // by the caller).
         return unsafe { avx2::silu_mul(g, u, out) };
     }
+    #[cfg(target_arch = "aarch64")]
+    if crate::engine::cpu::isa::active().neon() {
+        // SAFETY: the active instruction set has NEON; the lengths are equal (as above).
+        return unsafe { neon::silu_mul(g, u, out) };
+    }
     silu_mul_scalar(g, u, out, 0)
 }
 
@@ -73,6 +78,31 @@ mod avx2 {
             _mm256_storeu_ps(out.as_mut_ptr().add(i), y);
         }
         super::silu_mul_scalar(g, u, out, n8);
+    }
+}
+
+/// The AVX2 loop in NEON's four lanes, the same operations in the same order.
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use std::arch::aarch64::*;
+
+    // the sampler's 4-lane `exp_neg` (same bits as the scalar one)
+    use crate::engine::cpu::sample::neon::exp_neg4;
+
+    #[target_feature(enable = "neon")]
+    pub(super) unsafe fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
+        let n4 = g.len() / 4 * 4;
+        let one = vdupq_n_f32(1.0);
+        for i in (0..n4).step_by(4) {
+            let x = vld1q_f32(g.as_ptr().add(i));
+            let e = exp_neg4(vnegq_f32(vabsq_f32(x))); // exp(-|x|)
+            let pos = vcgeq_f32(x, vdupq_n_f32(0.0));
+            let num = vbslq_f32(pos, one, e);
+            let s = vmulq_f32(x, vdivq_f32(num, vaddq_f32(one, e)));
+            let y = vmulq_f32(s, vld1q_f32(u.as_ptr().add(i)));
+            vst1q_f32(out.as_mut_ptr().add(i), y);
+        }
+        super::silu_mul_scalar(g, u, out, n4);
     }
 }
 
@@ -116,6 +146,8 @@ mod tests {
                 2 => 0.0,
                 3 => -0.0,
                 4 => -88.5,
+                5 => 1e-40,
+                6 => -1e-40,
                 _ => ((i * 7919 % 2003) as f32 - 1001.0) / 60.0,
             })
             .collect();
@@ -145,7 +177,7 @@ mod tests {
         }
     }
 
-    /// The AVX2 loop gives the portable loop's bits.
+    /// The AVX2 (NEON) loop gives the portable loop's bits.
     #[test]
     fn vector_and_portable_agree_bitwise() {
         let (g, u) = inputs(4099);
