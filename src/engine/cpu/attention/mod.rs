@@ -13,6 +13,8 @@ use rayon::prelude::*;
 use crate::engine::cpu::quant::dot;
 use crate::engine::cpu::team;
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 
@@ -338,19 +340,66 @@ pub fn attend_into(
     } else {
         d.n_heads / d.n_kv
     };
-    // the AVX2 kernels are compiled with F16C for both caches (every AVX2 CPU has it, but a
-    // VM may hide it)
-    #[cfg(target_arch = "x86_64")]
-    let simd =
-        crate::engine::cpu::isa::active().avx2() && std::arch::is_x86_feature_detected!("f16c");
-    #[cfg(target_arch = "aarch64")]
-    let simd = crate::engine::cpu::isa::active().neon();
-    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-    let simd = false;
+    let simd = Walk::best();
     let rows = Rows { q, k, v, out };
     match kv {
         HostKv::F32(h) => attend_with(d, rows, q_norm, k_norm, cos, sin, h, simd, per_task),
         HostKv::F16(h) => attend_with(d, rows, q_norm, k_norm, cos, sin, h, simd, per_task),
+    }
+}
+
+/// Which kernels walk the cache (`Group`): the portable loops, or a vector set's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Walk {
+    Portable,
+    /// AVX2 + FMA + F16C.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    /// AVX-512 F, with AVX2 + FMA + F16C.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    #[cfg(target_arch = "aarch64")]
+    Neon,
+}
+
+impl Walk {
+    /// The widest set the process's instruction set has. The x86 kernels are compiled with
+    /// F16C for both caches (every AVX2 CPU has it, but a VM may hide it).
+    fn best() -> Walk {
+        let isa = crate::engine::cpu::isa::active();
+        #[cfg(target_arch = "x86_64")]
+        if isa.avx2() && std::arch::is_x86_feature_detected!("f16c") {
+            return if isa.avx512() {
+                Walk::Avx512
+            } else {
+                Walk::Avx2
+            };
+        }
+        #[cfg(target_arch = "aarch64")]
+        if isa.neon() {
+            return Walk::Neon;
+        }
+        let _ = isa;
+        Walk::Portable
+    }
+
+    /// The sets this CPU can run, the portable loops first (for tests).
+    #[cfg(test)]
+    fn available() -> Vec<Walk> {
+        let mut v = vec![Walk::Portable];
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
+            v.push(Walk::Avx2);
+            if is_x86_feature_detected!("avx512f") {
+                v.push(Walk::Avx512);
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        v.push(Walk::Neon);
+        v
     }
 }
 
@@ -362,9 +411,8 @@ struct Rows<'a> {
     out: &'a mut [f32],
 }
 
-/// `attend` with the vector kernels (`simd`: AVX2 + FMA + F16C on x86-64, NEON on aarch64; the
-/// caller has checked the CPU) or the portable loops, `per_task` query heads a task (a divisor of the heads a KV
-/// head has).
+/// `attend` with the kernels `simd` names (the caller has checked the CPU), `per_task` query
+/// heads a task (a divisor of the heads a KV head has).
 #[allow(clippy::too_many_arguments)]
 fn attend_with<E: KvElem>(
     d: &Dims,
@@ -374,7 +422,7 @@ fn attend_with<E: KvElem>(
     cos: &[f32],
     sin: &[f32],
     kv: &mut Heads<E>,
-    simd: bool,
+    simd: Walk,
     per_task: usize,
 ) {
     let Rows { q, k, v, out } = rows;
@@ -403,18 +451,16 @@ fn attend_with<E: KvElem>(
             offset,
             scale,
         };
-        #[cfg(target_arch = "x86_64")]
-        if simd && hd % 8 == 0 {
-            // SAFETY: the CPU has AVX2 and FMA (`isa` detected them, or the caller checked).
-            return unsafe { grp.run_avx2(o) };
+        // SAFETY (each arm): the CPU has the set (`Walk::best` or the caller checked it).
+        match simd {
+            #[cfg(target_arch = "x86_64")]
+            Walk::Avx512 if hd % 16 == 0 => unsafe { grp.run_avx512(o) },
+            #[cfg(target_arch = "x86_64")]
+            Walk::Avx512 | Walk::Avx2 if hd % 8 == 0 => unsafe { grp.run_avx2(o) },
+            #[cfg(target_arch = "aarch64")]
+            Walk::Neon if hd % 8 == 0 => unsafe { grp.run_neon(o) },
+            _ => grp.run(o),
         }
-        #[cfg(target_arch = "aarch64")]
-        if simd && hd % 8 == 0 {
-            // SAFETY: the CPU has NEON (`isa` detected it, or the caller checked).
-            return unsafe { grp.run_neon(o) };
-        }
-        let _ = simd;
-        grp.run(o)
     };
     debug_assert_eq!(rep % per_task, 0);
     if l == 1 {
@@ -475,6 +521,13 @@ impl<E: KvElem> Group<'_, E> {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn run_avx2(&self, o: &mut [f32]) {
         self.walk::<Avx2>(o)
+    }
+
+    /// `run_avx2`'s walk with the AVX-512 kernels (`avx512.rs`; `hd` a multiple of 16).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn run_avx512(&self, o: &mut [f32]) {
+        self.walk::<avx512::Avx512>(o)
     }
 
     /// `run_avx2`'s walk with the NEON kernels (`neon.rs`; `hd` a multiple of 8).
@@ -1020,28 +1073,25 @@ mod tests {
     /// reference's inputs too.
     #[test]
     fn grouped_heads_match_the_reference() {
+        let walks = Walk::available();
+        eprintln!("attention: kernels {walks:?}");
         #[cfg(target_arch = "x86_64")]
-        let simd = is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c");
-        #[cfg(target_arch = "aarch64")]
-        let simd = true;
-        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-        let simd = false;
-        if !simd {
-            eprintln!("attention: no AVX2 + FMA + F16C here, the portable loops only");
+        if std::env::var_os("REQUIRE_AVX2").is_some() {
+            assert!(walks.contains(&Walk::Avx2), "no AVX2 + FMA + F16C");
         }
-        for (hd, simd) in [(64, false), (64, simd), (32, simd), (128, simd), (72, simd)] {
-            for one_head_a_task in [false, true] {
-                grouped_heads_at::<f32>(hd, simd, one_head_a_task);
-                grouped_heads_at::<f16>(hd, simd, one_head_a_task);
+        for simd in walks {
+            for hd in [64, 32, 128, 72, 48] {
+                for one_head_a_task in [false, true] {
+                    grouped_heads_at::<f32>(hd, simd, one_head_a_task);
+                    grouped_heads_at::<f16>(hd, simd, one_head_a_task);
+                }
             }
         }
     }
 
     /// The f16 cache's keys and values are the f32 ones rounded to f16, and then the same
     /// arithmetic: its outputs are held to the reference on those rounded inputs.
-    fn grouped_heads_at<E: KvElem>(hd: usize, simd: bool, one_head_a_task: bool) {
+    fn grouped_heads_at<E: KvElem>(hd: usize, simd: Walk, one_head_a_task: bool) {
         let round = |x: &mut [f32]| {
             if E::HALF {
                 x.iter_mut().for_each(|v| *v = f16::from_f32(*v).to_f32());
@@ -1109,7 +1159,7 @@ mod tests {
                     .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
                 assert!(
                     err <= 1e-5,
-                    "hd {hd} simd {simd} f16 {} one head a task {one_head_a_task} heads \
+                    "hd {hd} kernels {simd:?} f16 {} one head a task {one_head_a_task} heads \
                      {nh}/{nkv} step {step}: max |Δ| {err}",
                     E::HALF
                 );
