@@ -2,13 +2,15 @@
 //! Metal is not used, Graviton, Ampere): the AVX2 kernels' structure in four-lane vectors, each
 //! key and value row loaded once for a pair of query heads, f16 rows widened with `fcvtl`
 //! (base AArch64 SIMD: no FEAT_FP16 needed), the softmax's exp the samplers' `exp_neg` in four
-//! lanes (the same bits). The portable loops they replace were 6-8x slower than AVX2 on x86-64
+//! lanes (the same bits), and the f16 cache written with `fcvtn`. The portable loops they replace were 6-8x slower than AVX2 on x86-64
 //! with the compiler's own 128-bit vectors (`BOT_CPU_ISA=scalar`, the proxy for what NEON got).
 
 use std::arch::aarch64::*;
 use std::arch::asm;
 
-use super::{KvElem, Lanes};
+use half::f16;
+
+use super::{KvElem, Lanes, F16_MAX};
 use crate::engine::cpu::sample::neon::exp_neg4;
 use crate::engine::sample::exp_neg;
 
@@ -65,6 +67,34 @@ unsafe fn load8<E: KvElem>(p: *const E) -> (float32x4_t, float32x4_t) {
     } else {
         let p = p as *const f32;
         (vld1q_f32(p), vld1q_f32(p.add(4)))
+    }
+}
+
+/// `f16::store` in NEON: clamped to ±65504 (`fmax`/`fmin` keep a NaN, as `clamp` does), then
+/// narrowed with `fcvtn`/`fcvtn2` (the FPCR's rounding: to nearest even), eight values a step.
+#[target_feature(enable = "neon")]
+pub(super) unsafe fn store_f16(src: &[f32], dst: &mut [f16]) {
+    assert_eq!(src.len(), dst.len());
+    let (lo, hi) = (vdupq_n_f32(-F16_MAX), vdupq_n_f32(F16_MAX));
+    let whole = src.len() & !7;
+    let (s, d) = (src.as_ptr(), dst.as_mut_ptr() as *mut u16);
+    for i in (0..whole).step_by(8) {
+        let a = vminq_f32(vmaxq_f32(vld1q_f32(s.add(i)), lo), hi);
+        let b = vminq_f32(vmaxq_f32(vld1q_f32(s.add(i + 4)), lo), hi);
+        let h: uint16x8_t;
+        // `h` is written before `b` is read: not a late output, so never `b`'s register
+        asm!(
+            "fcvtn {h:v}.4h, {a:v}.4s",
+            "fcvtn2 {h:v}.8h, {b:v}.4s",
+            a = in(vreg) a,
+            b = in(vreg) b,
+            h = out(vreg) h,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+        vst1q_u16(d.add(i), h);
+    }
+    for (o, &v) in dst[whole..].iter_mut().zip(&src[whole..]) {
+        *o = f16::from_f32(v.clamp(-F16_MAX, F16_MAX));
     }
 }
 
