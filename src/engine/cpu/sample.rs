@@ -221,6 +221,13 @@ fn max_and_first(x: &[f32]) -> Result<(f32, u32), NonFinite> {
     max_argmax(x)
 }
 
+/// The max as `max_argmax` returns it: the value at its first index (of -0 and +0 the first
+/// one's sign, which a vector max does not keep), and that index.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+fn first_max(x: &[f32], i: usize) -> (f32, u32) {
+    (x[i], i as u32)
+}
+
 /// exp(x - m) of every logit: the normalizer, the total mass, and the tokens within
 /// `CANDIDATE_CUT` of `m` pushed to `pool`.
 fn exp_pass(x: &[f32], m: f32, pool: &mut Vec<Cand>) -> Pass {
@@ -323,11 +330,11 @@ pub(crate) mod avx2 {
                 mv,
             ));
             if hit != 0 {
-                return Ok((m, (8 * c) as u32 + hit.trailing_zeros()));
+                return Ok(first_max(x, 8 * c + hit.trailing_zeros() as usize));
             }
         }
         let i = x[8 * chunks..].iter().position(|&v| v == m).unwrap_or(0);
-        Ok((m, (8 * chunks + i) as u32))
+        Ok(first_max(x, 8 * chunks + i))
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -480,11 +487,11 @@ pub(crate) mod neon {
                 let mut lanes = [0u32; 4];
                 vst1q_u32(lanes.as_mut_ptr(), hit);
                 let l = lanes.iter().position(|&h| h != 0).unwrap_or(0);
-                return Ok((m, (4 * c + l) as u32));
+                return Ok(first_max(x, 4 * c + l));
             }
         }
         let i = x[4 * chunks..].iter().position(|&v| v == m).unwrap_or(0);
-        Ok((m, (4 * chunks + i) as u32))
+        Ok(first_max(x, 4 * chunks + i))
     }
 
     #[target_feature(enable = "neon")]
@@ -611,6 +618,47 @@ mod tests {
     /// The bucketed threshold is the quickselect's over the whole pool: every logit case of a
     /// vocabulary-sized pool (flat, ties, spread, peaked, -inf entries), limits from a sliver of
     /// the mass to all of it.
+    #[test]
+    fn max_and_first_is_max_argmax() {
+        let special = [
+            -0.0,
+            0.0,
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            f32::NAN,
+            -1.0,
+            3.5,
+            f32::MIN_POSITIVE / 4.0,
+        ];
+        for n in 1..40usize {
+            for seed in 0..60usize {
+                let x: Vec<f32> = (0..n)
+                    .map(|i| {
+                        let h = (i * 2654435761 + seed * 40503) % 1009;
+                        if h % 7 == 0 {
+                            special[h % special.len()]
+                        } else {
+                            (h % 9) as f32 - 6.0
+                        }
+                    })
+                    .collect();
+                let (got, want) = (max_and_first(&x), max_argmax(&x));
+                assert_eq!(got.is_ok(), want.is_ok(), "{x:?}");
+                if let (Ok((m, i)), Ok((wm, wi))) = (got, want) {
+                    assert_eq!((m.to_bits(), i), (wm.to_bits(), wi), "{x:?}");
+                }
+            }
+        }
+        // the first of a tie of zeros keeps its sign, in whole vectors and in the tail
+        for n in [3, 5, 9, 17] {
+            let mut x = vec![-1.0f32; n];
+            x[n - 2] = -0.0;
+            x[n - 1] = 0.0;
+            let (m, i) = max_and_first(&x).unwrap();
+            assert_eq!((m.to_bits(), i as usize), ((-0.0f32).to_bits(), n - 2));
+        }
+    }
+
     #[test]
     fn bucketed_top_p_threshold_is_the_plain_one() {
         for (name, x) in logit_cases(60_000, 3) {

@@ -905,7 +905,9 @@ unsafe fn softmax_avx2(s: &mut [f32]) {
     let whole = n & !7;
     let mut mv = _mm256_set1_ps(f32::NEG_INFINITY);
     for i in (0..whole).step_by(8) {
-        mv = _mm256_max_ps(mv, _mm256_loadu_ps(p.add(i)));
+        // a NaN score is skipped, as `softmax`'s `f32::max` skips it (`maxps` returns its
+        // second operand where either is NaN)
+        mv = _mm256_max_ps(_mm256_loadu_ps(p.add(i)), mv);
     }
     let mut lanes = [0f32; 8];
     _mm256_storeu_ps(lanes.as_mut_ptr(), mv);
@@ -1083,10 +1085,59 @@ mod tests {
             assert!(walks.contains(&Walk::Avx2), "no AVX2 + FMA + F16C");
         }
         for simd in walks {
-            for hd in [64, 32, 128, 72, 48] {
+            for hd in [64, 32, 128, 72, 48, 12, 20, 256] {
                 for one_head_a_task in [false, true] {
                     grouped_heads_at::<f32>(hd, simd, one_head_a_task);
                     grouped_heads_at::<f16>(hd, simd, one_head_a_task);
+                }
+            }
+        }
+    }
+
+    /// Each vector softmax against the portable one: within rounding, a NaN score weighted 0 as
+    /// `f32::max` and `exp_neg` weigh it (not the row's max), -inf scores 0, gaps past the exp's
+    /// floor, lengths with and without vector tails.
+    #[test]
+    fn vector_softmax_matches_the_portable_one() {
+        let mut kernels: Vec<(&str, unsafe fn(&mut [f32]))> = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            kernels.push(("avx2", softmax_avx2));
+        }
+        #[cfg(target_arch = "aarch64")]
+        kernels.push(("neon", <neon::Neon as Lanes>::softmax));
+        for (name, kernel) in kernels {
+            for n in 1..41usize {
+                for seed in 0..9usize {
+                    let mut row: Vec<f32> = (0..n)
+                        .map(|i| match (i * 7 + seed * 3) % 23 {
+                            0 if seed % 2 == 0 => f32::NAN,
+                            1 => f32::NEG_INFINITY,
+                            2 => 120.0,
+                            _ => ((i * 31 + seed * 17) % 29) as f32 * 0.7 - 9.0,
+                        })
+                        .collect();
+                    if seed == 8 && n > 9 {
+                        // the max in one lane, then a NaN in the same lane of a later vector (4
+                        // and 8 lanes)
+                        row.iter_mut().for_each(|v| *v = v.clamp(-9.0, 9.0));
+                        row[1] = 60.0;
+                        row[5] = f32::NAN;
+                        row[9] = f32::NAN;
+                    }
+                    let mut want = row.clone();
+                    softmax(&mut want);
+                    let mut got = row.clone();
+                    // SAFETY: the CPU has the set (checked above).
+                    unsafe { kernel(&mut got) };
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        // (a row with no finite score is 0/0 on every path)
+                        assert!(
+                            (g - w).abs() <= 1e-6 * w.abs().max(1e-30) + 1e-37
+                                || (g.is_nan() && w.is_nan() && row.iter().all(|v| !v.is_finite())),
+                            "{name} n {n} seed {seed} at {i}: {g} against {w} ({row:?})"
+                        );
+                    }
                 }
             }
         }
@@ -1126,7 +1177,7 @@ mod tests {
             };
             let mut kv = Heads::<E>::default();
             let (mut keys, mut values) = (Vec::new(), Vec::new());
-            for (step, l) in [5usize, 1, 1, 3].into_iter().enumerate() {
+            for (step, l) in [5usize, 1, 1, 3, 13].into_iter().enumerate() {
                 if step == 3 {
                     kv.truncate(4, hd);
                     keys.truncate(4 * nkv * hd);

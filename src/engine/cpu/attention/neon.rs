@@ -233,10 +233,11 @@ unsafe fn softmax(s: &mut [f32]) {
     let p = s.as_mut_ptr();
     let whole = n & !3;
     let mut mv = vdupq_n_f32(f32::NEG_INFINITY);
+    // `fmaxnm` skips a NaN score, as `softmax`'s `f32::max` does
     for i in (0..whole).step_by(4) {
-        mv = vmaxq_f32(mv, vld1q_f32(p.add(i)));
+        mv = vmaxnmq_f32(mv, vld1q_f32(p.add(i)));
     }
-    let max = s[whole..].iter().fold(vmaxvq_f32(mv), |m, &v| m.max(v));
+    let max = s[whole..].iter().fold(vmaxnmvq_f32(mv), |m, &v| m.max(v));
     let (m4, mut sv) = (vdupq_n_f32(max), vdupq_n_f32(0.0));
     for i in (0..whole).step_by(4) {
         let e = exp_neg4(vsubq_f32(vld1q_f32(p.add(i)), m4));
