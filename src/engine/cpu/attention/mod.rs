@@ -1099,7 +1099,8 @@ mod tests {
     /// floor, lengths with and without vector tails.
     #[test]
     fn vector_softmax_matches_the_portable_one() {
-        let mut kernels: Vec<(&str, unsafe fn(&mut [f32]))> = Vec::new();
+        type Kernel = unsafe fn(&mut [f32]);
+        let mut kernels: Vec<(&str, Kernel)> = Vec::new();
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
             kernels.push(("avx2", softmax_avx2));
