@@ -254,6 +254,18 @@ fn exp_pass(x: &[f32], m: f32, pool: &mut Vec<Cand>) -> Pass {
     )
 }
 
+/// Pushes token `i`, whose `exp(x[i] - M)` is `e`, to the candidates: its mass.
+#[inline(always)]
+fn push(pool: &mut Vec<Cand>, x: &[f32], i: usize, e: f32) -> u64 {
+    let q = mass(e);
+    pool.push(Cand {
+        v: x[i],
+        i: i as u32,
+        q,
+    });
+    q
+}
+
 /// The scalar pass from `start` on, continuing `acc`.
 #[inline(always)]
 fn exp_pass_scalar(x: &[f32], m: f32, pool: &mut Vec<Cand>, start: usize, mut acc: Pass) -> Pass {
@@ -368,13 +380,7 @@ pub(crate) mod avx2 {
             while near != 0 {
                 let l = near.trailing_zeros() as usize;
                 near &= near - 1;
-                let q = mass(lanes[l]);
-                pool.push(Cand {
-                    v: x[8 * c + l],
-                    i: (8 * c + l) as u32,
-                    q,
-                });
-                cmass += q;
+                cmass += push(pool, x, 8 * c + l, lanes[l]);
             }
         }
         let mut s = [0f32; 16];
@@ -518,13 +524,7 @@ pub(crate) mod neon {
                 vst1q_u32(flags.as_mut_ptr(), near);
                 vst1q_f32(lanes.as_mut_ptr(), e);
                 for l in (0..4).filter(|&l| flags[l] != 0) {
-                    let q = mass(lanes[l]);
-                    pool.push(Cand {
-                        v: x[4 * c + l],
-                        i: (4 * c + l) as u32,
-                        q,
-                    });
-                    cmass += q;
+                    cmass += push(pool, x, 4 * c + l, lanes[l]);
                 }
             }
         }

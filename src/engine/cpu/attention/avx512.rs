@@ -10,36 +10,7 @@ use super::{prefetch_rows, softmax_avx2, sum4, KvElem, Lanes, AHEAD};
 
 pub(super) struct Avx512;
 
-impl Lanes for Avx512 {
-    #[inline(always)]
-    unsafe fn scores2<E: KvElem, const P: bool>(
-        qa: *const f32,
-        qb: *const f32,
-        kp: *const E,
-        hd: usize,
-        visible: usize,
-        scale: f32,
-        sa: &mut [f32],
-        sb: &mut [f32],
-    ) {
-        scores2::<E, P>(qa, qb, kp, hd, visible, scale, sa, sb)
-    }
-    #[inline(always)]
-    unsafe fn softmax(s: &mut [f32]) {
-        softmax_avx2(s)
-    }
-    #[inline(always)]
-    unsafe fn pv2<E: KvElem, const P: bool>(
-        pa: &[f32],
-        pb: &[f32],
-        vp: *const E,
-        hd: usize,
-        oa: *mut f32,
-        ob: *mut f32,
-    ) {
-        pv2::<E, P>(pa, pb, vp, hd, oa, ob)
-    }
-}
+lanes!(Avx512, softmax_avx2);
 
 /// Sixteen cached values at `p` as f32: widened from f16, or loaded.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]

@@ -13,6 +13,43 @@ use rayon::prelude::*;
 use crate::engine::cpu::quant::dot;
 use crate::engine::cpu::team;
 
+/// `impl Lanes for $set`: the `scores2` and `pv2` in scope where it expands (each module's own),
+/// and `$softmax`. (Defined before the kernel modules, which expand it too.)
+macro_rules! lanes {
+    ($set:ident, $softmax:path) => {
+        impl Lanes for $set {
+            #[inline(always)]
+            unsafe fn scores2<E: KvElem, const P: bool>(
+                qa: *const f32,
+                qb: *const f32,
+                kp: *const E,
+                hd: usize,
+                visible: usize,
+                scale: f32,
+                sa: &mut [f32],
+                sb: &mut [f32],
+            ) {
+                scores2::<E, P>(qa, qb, kp, hd, visible, scale, sa, sb)
+            }
+            #[inline(always)]
+            unsafe fn softmax(s: &mut [f32]) {
+                $softmax(s)
+            }
+            #[inline(always)]
+            unsafe fn pv2<E: KvElem, const P: bool>(
+                pa: &[f32],
+                pb: &[f32],
+                vp: *const E,
+                hd: usize,
+                oa: *mut f32,
+                ob: *mut f32,
+            ) {
+                pv2::<E, P>(pa, pb, vp, hd, oa, ob)
+            }
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "aarch64")]
@@ -678,36 +715,7 @@ trait Lanes {
 struct Avx2;
 
 #[cfg(target_arch = "x86_64")]
-impl Lanes for Avx2 {
-    #[inline(always)]
-    unsafe fn scores2<E: KvElem, const P: bool>(
-        qa: *const f32,
-        qb: *const f32,
-        kp: *const E,
-        hd: usize,
-        visible: usize,
-        scale: f32,
-        sa: &mut [f32],
-        sb: &mut [f32],
-    ) {
-        scores2::<E, P>(qa, qb, kp, hd, visible, scale, sa, sb)
-    }
-    #[inline(always)]
-    unsafe fn softmax(s: &mut [f32]) {
-        softmax_avx2(s)
-    }
-    #[inline(always)]
-    unsafe fn pv2<E: KvElem, const P: bool>(
-        pa: &[f32],
-        pb: &[f32],
-        vp: *const E,
-        hd: usize,
-        oa: *mut f32,
-        ob: *mut f32,
-    ) {
-        pv2::<E, P>(pa, pb, vp, hd, oa, ob)
-    }
-}
+lanes!(Avx2, softmax_avx2);
 
 /// `s` -> softmax(s) in place: `exp(s - max) / Σ`.
 #[inline(always)]

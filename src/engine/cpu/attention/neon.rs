@@ -16,36 +16,7 @@ use crate::engine::sample::exp_neg;
 
 pub(super) struct Neon;
 
-impl Lanes for Neon {
-    #[inline(always)]
-    unsafe fn scores2<E: KvElem, const P: bool>(
-        qa: *const f32,
-        qb: *const f32,
-        kp: *const E,
-        hd: usize,
-        visible: usize,
-        scale: f32,
-        sa: &mut [f32],
-        sb: &mut [f32],
-    ) {
-        scores2::<E, P>(qa, qb, kp, hd, visible, scale, sa, sb)
-    }
-    #[inline(always)]
-    unsafe fn softmax(s: &mut [f32]) {
-        softmax(s)
-    }
-    #[inline(always)]
-    unsafe fn pv2<E: KvElem, const P: bool>(
-        pa: &[f32],
-        pb: &[f32],
-        vp: *const E,
-        hd: usize,
-        oa: *mut f32,
-        ob: *mut f32,
-    ) {
-        pv2::<E, P>(pa, pb, vp, hd, oa, ob)
-    }
-}
+lanes!(Neon, softmax);
 
 /// Eight cached values at `p` as two f32 vectors: widened from f16, or loaded.
 #[target_feature(enable = "neon")]
