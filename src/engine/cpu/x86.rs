@@ -7,8 +7,9 @@
 //! (the scalar definition the tests compare with); only the f32 additions are in another order.
 //!
 //! A call covers a range of weight rows (one rayon task's), so the constants are set up once
-//! per task, not per row. A decode row (m = 1) takes the weight rows two at a time, so each
-//! activation load serves both, and prefetches the task's stream ahead (AVX2 and AVX-512). Per step and weight row: the codes are split into low and high
+//! per task, not per row. A decode row (m = 1) takes the weight rows two at a time, one from each
+//! half of the task, so each activation load serves both, and prefetches both streams ahead
+//! (AVX2 and AVX-512). Per step and weight row: the codes are split into low and high
 //! nibbles (even and odd positions, as `IntActs` splits the activations); each 128-bit lane is
 //! one block, whose four i32 lanes are scaled by `s_g · d_b` into f32 and accumulated. With
 //! 15-bit activations (`split`) the VNNI kernels add the high parts' sum times 128; AVX2 takes
@@ -125,17 +126,17 @@ mod simd {
         }
         idx
     }
-    /// How far ahead of the codes being read a decode task prefetches: the rows of a task are
-    /// one contiguous stream, and the hardware prefetcher alone stops at each 4 KiB page
-    /// (measured on a Zen 5 EPYC, 2 threads, with the pairs: 0.6B decode 68-69 -> 73-77 tok/s).
-    /// The hint is T1, to L2: an L1 hint holds one of the core's few L1 fill buffers until the
+    /// How far ahead of the codes being read a decode pair prefetches, in each of its two
+    /// streams. The hardware prefetchers follow each stream too (it reads rows front to back,
+    /// see `$pair` in `decode_kernels!`); the hint covers their restart at each 4 KiB page. The
+    /// hint is T1, to L2: an L1 hint holds one of the core's few L1 fill buffers until the
     /// line arrives, which on the Xeon (Emerald Rapids, 2 threads) capped the stream (0.6B
     /// decode, T0 beside T1 at the same time: 48.4 / 51.9, 44.1 / 50.7 tok/s); AMD's cores
-    /// treat the hints alike (Zen 1: 27.1 / 27.0). 16 KiB rather than 8: on the Zen 4 EPYC
-    /// in the hours its neighbours left ~30-35 GB/s, the 8B decode step took 1.5% less (median
-    /// of 14 runs alternating the two per token in one `bot bench`; 4 KiB: 2-11% more, 64 KiB:
-    /// 1.5-4% more), the 0.6B's no different.
-    const PFD: usize = 16384;
+    /// treat the hints alike (Zen 1: 27.1 / 27.0). 4 KiB: with the two sequential streams,
+    /// alternating distances per token in one `bot bench` (Zen 5 EPYC and the Xeon, 2 threads),
+    /// 8 KiB took 1-6% more time a step and 16 KiB 2-8% more, 2 KiB 10% more at the 8B shape.
+    /// (With the pairs of adjacent rows before, 16 KiB had been the best distance.)
+    const PFD: usize = 4096;
     const SCALE_INDEX: [[i16; 32]; 3] = [scale_index(0), scale_index(1), scale_index(2)];
 
     /// The constants of an AVX-512 step (four 32-value blocks), set up once per row.
@@ -397,9 +398,9 @@ mod simd {
     }
 
     /// A decode entry `$rows` over one task's weight rows, its row kernel `$row` (one weight row
-    /// against activation rows `i0..i0 + R`) and its pair kernel `$pair` (weight rows `n` and
-    /// `n + 1` against activation row 0, each activation load serving both, the codes
-    /// prefetched `PFD` ahead with one hint per 64 bytes), compiled for `$feat`, on steps of
+    /// against activation rows `i0..i0 + R`) and its pair kernel `$pair` (two weight rows
+    /// against activation row 0, each activation load serving both, the codes prefetched `PFD`
+    /// ahead with one hint per 64 bytes), compiled for `$feat`, on steps of
     /// `$w` blocks of the step type `$step`. The f32 sums of a pair are the row kernel's
     /// exactly: a row gives the same bits in a pair or alone. (`$d` is a literal `$`, for the
     /// metavariables of the `step!` macros defined inside.)
@@ -428,14 +429,21 @@ mod simd {
                         each_row!($row, w, a, first, m, outs);
                         return;
                     }
-                    let mut j = 0;
-                    while j + 2 <= outs.len() {
-                        let (o0, o1) = outs[j..j + 2].split_at_mut(1);
-                        $pair::<SPLIT, G>(w, a, first + j, &mut o0[0], &mut o1[0]);
-                        j += 2;
+                    // Row `i` of the task's first half is paired with row `i` of its second,
+                    // so each of a pair's two streams walks its half's rows in memory order,
+                    // one contiguous run, which the hardware prefetchers follow. Pairs of
+                    // adjacent rows jump a row at every pair in both streams; where two
+                    // threads shared less bandwidth than they can draw (this project's Zen 5
+                    // EPYC in its slow minutes, where a plain read loop on 2 threads gets
+                    // ~48 GB/s), they streamed ~37 GB/s and these ~45 (8B step 110 -> 91
+                    // ms), and the Xeon's 0.6B step took 10-12% less.
+                    let h = outs.len() / 2;
+                    let (lo, hi) = outs.split_at_mut(h);
+                    for (i, (o0, o1)) in lo.iter_mut().zip(hi.iter_mut()).enumerate() {
+                        $pair::<SPLIT, G>(w, a, first + i, first + h + i, o0, o1);
                     }
-                    if j < outs.len() {
-                        $row::<1, SPLIT, G>(w, a, first + j, 0, &mut outs[j..]);
+                    if 2 * h < outs.len() {
+                        $row::<1, SPLIT, G>(w, a, first + 2 * h, 0, &mut outs[2 * h..]);
                     }
                 }
             }
@@ -472,25 +480,33 @@ mod simd {
                 w: &Rows,
                 a: &IntActs,
                 n: usize,
+                n1: usize,
                 out0: &mut f32,
                 out1: &mut f32,
             ) {
                 let c = $step::new::<G>();
-                let rp = [w.row(n).as_ptr(), w.row(n + 1).as_ptr()];
+                let rp = [w.row(n).as_ptr(), w.row(n1).as_ptr()];
                 let sp = [
                     w.row_scales(n).as_ptr() as *const i16,
-                    w.row_scales(n + 1).as_ptr() as *const i16,
+                    w.row_scales(n1).as_ptr() as *const i16,
                 ];
                 let mut acc = [[$zero; 2]; 2];
-                // the scales and biases are two more streams, 1/16 of the codes' bytes each:
-                // the pair `PFD` ahead's, so they are not missed at every 4 KiB page either
+                // the scales and biases are four more streams, 1/16 of the codes' bytes each:
+                // two rows' `PFD` ahead of each stream's, so they are not missed at every 4 KiB
+                // page either
                 let (g2, ahead) = (2 * w.shape.gpr, (PFD / w.row_bytes).max(2));
-                let mut off = (n + ahead) * g2;
-                while off < (n + ahead + 2) * g2 {
-                    // hints: an address past the matrix does not fault
-                    _mm_prefetch::<_MM_HINT_T1>(w.scales.as_ptr().wrapping_add(off) as *const i8);
-                    _mm_prefetch::<_MM_HINT_T1>(w.biases.as_ptr().wrapping_add(off) as *const i8);
-                    off += 64;
+                for r in [n, n1] {
+                    let mut off = (r + ahead) * g2;
+                    while off < (r + ahead + 2) * g2 {
+                        // hints: an address past the matrix does not fault
+                        _mm_prefetch::<_MM_HINT_T1>(
+                            w.scales.as_ptr().wrapping_add(off) as *const i8
+                        );
+                        _mm_prefetch::<_MM_HINT_T1>(
+                            w.biases.as_ptr().wrapping_add(off) as *const i8
+                        );
+                        off += 64;
+                    }
                 }
                 macro_rules! step {
                     ($d b:expr, $d p:tt) => {{
@@ -509,7 +525,7 @@ mod simd {
                 }
                 alternate!(w.shape.nb / $w * $w, $w, step);
                 *out0 = c.finish::<G>(w, a, n, 0, acc[0]);
-                *out1 = c.finish::<G>(w, a, n + 1, 0, acc[1]);
+                *out1 = c.finish::<G>(w, a, n1, 0, acc[1]);
             }
         };
     }
