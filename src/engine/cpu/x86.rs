@@ -134,8 +134,9 @@ mod simd {
     /// decode, T0 beside T1 at the same time: 48.4 / 51.9, 44.1 / 50.7 tok/s); AMD's cores
     /// treat the hints alike (Zen 1: 27.1 / 27.0). 4 KiB: with the two sequential streams,
     /// alternating distances per token in one `bot bench` (Zen 5 EPYC and the Xeon, 2 threads),
-    /// 8 KiB took 1-6% more time a step and 16 KiB 2-8% more, 2 KiB 10% more at the 8B shape.
-    /// (With the pairs of adjacent rows before, 16 KiB had been the best distance.)
+    /// 8 KiB took 2-8% more time a step, 16 KiB 5-15% more, 2 KiB 12% more in the Zen 5's fast
+    /// minutes at the 8B shape (docs/performance.md, eighteenth session). (With the pairs of
+    /// adjacent rows before, 16 KiB had been the best distance.)
     const PFD: usize = 4096;
     const SCALE_INDEX: [[i16; 32]; 3] = [scale_index(0), scale_index(1), scale_index(2)];
 
