@@ -9,7 +9,7 @@
 //! A call covers a range of weight rows (one rayon task's), so the constants are set up once
 //! per task, not per row. A decode row (m = 1) takes the weight rows two at a time, one from each
 //! half of the task, so each activation load serves both, and prefetches both streams ahead
-//! (AVX2 and AVX-512). Per step and weight row: the codes are split into low and high
+//! (AVX2, AVX-VNNI and AVX-512 alike: one macro writes the three). Per step and weight row: the codes are split into low and high
 //! nibbles (even and odd positions, as `IntActs` splits the activations); each 128-bit lane is
 //! one block, whose four i32 lanes are scaled by `s_g · d_b` into f32 and accumulated. With
 //! 15-bit activations (`split`) the VNNI kernels add the high parts' sum times 128; AVX2 takes
@@ -544,84 +544,97 @@ mod simd {
         pair512
     );
 
-    /// AVX-VNNI (the VEX-encoded 256-bit `vpdpbusd`). Callers check avxvnni, avx2 and fma.
-    #[target_feature(enable = "avxvnni,avx2,fma")]
-    pub unsafe fn rows256(
-        w: &Rows,
-        a: &IntActs,
-        first: usize,
-        m: usize,
-        split: bool,
-        outs: &mut [f32],
-    ) {
-        dispatch!(task, w, a, first, m, split, outs);
-
-        #[target_feature(enable = "avxvnni,avx2,fma")]
-        unsafe fn task<const SPLIT: bool, const G: usize>(
-            w: &Rows,
-            a: &IntActs,
-            first: usize,
-            m: usize,
-            outs: &mut [f32],
-        ) {
-            each_row!(row256, w, a, first, m, outs);
-        }
+    /// The constants of an AVX-VNNI step (two 32-value blocks: the VEX-encoded 256-bit
+    /// `vpdpbusd` of Alder Lake and later desktop parts), set up once per row.
+    struct StepVnni256 {
+        mask: __m256i,
+        zero: __m256i,
     }
 
-    #[target_feature(enable = "avxvnni,avx2,fma")]
-    #[inline]
-    unsafe fn row256<const R: usize, const SPLIT: bool, const G: usize>(
-        w: &Rows,
-        a: &IntActs,
-        n: usize,
-        i0: usize,
-        out: &mut [f32],
-    ) {
-        let (k, nb, gpr) = (a.k, w.shape.nb, w.shape.gpr);
-        let (sb, bb) = (w.row_scales(n), w.row_biases(n));
-        let rp = w.row(n).as_ptr();
-        let paired = nb & !1;
-        let mask = _mm256_set1_epi8(0x0f);
-        let (el, ol) = (a.el.as_ptr(), a.ol.as_ptr());
-        let (eh, oh) = (a.eh.as_ptr(), a.oh.as_ptr());
-        let dx = a.dx.as_ptr();
-        let zero = _mm256_setzero_si256();
-        let mut acc = [[_mm256_setzero_ps(); 2]; R];
-        macro_rules! step {
-            ($b:expr, $p:tt) => {{
-                let b = $b;
-                let wv = _mm256_loadu_si256(rp.add(b * 16) as *const __m256i);
-                let lo = _mm256_and_si256(wv, mask);
-                let hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), mask);
-                let ws = if G > 0 {
-                    _mm256_set1_ps(bf16_at(sb, b >> G))
-                } else {
-                    _mm256_set_m128(_mm_set1_ps(bf16_at(sb, b + 1)), _mm_set1_ps(bf16_at(sb, b)))
-                };
-                for r in 0..R {
-                    let off = (i0 + r) * k / 2 + b * 16;
-                    let ld = |p: *const i8| _mm256_loadu_si256(p.add(off) as *const __m256i);
-                    let mut s32 = _mm256_dpbusd_avx_epi32(zero, lo, ld(el));
-                    s32 = _mm256_dpbusd_avx_epi32(s32, hi, ld(ol));
-                    if SPLIT {
-                        let h = _mm256_dpbusd_avx_epi32(zero, lo, ld(eh));
-                        let h = _mm256_dpbusd_avx_epi32(h, hi, ld(oh));
-                        s32 = _mm256_add_epi32(s32, _mm256_slli_epi32(h, 7));
-                    }
-                    let dxv = _mm256_loadu_ps(dx.add(4 * ((i0 + r) * nb + b)));
-                    acc[r][$p] = _mm256_fmadd_ps(
-                        _mm256_cvtepi32_ps(s32),
-                        _mm256_mul_ps(ws, dxv),
-                        acc[r][$p],
-                    );
-                }
-            }};
+    impl StepVnni256 {
+        const CHAINS: usize = 2;
+
+        #[target_feature(enable = "avxvnni,avx2,fma")]
+        #[inline]
+        unsafe fn new<const G: usize>() -> Self {
+            StepVnni256 {
+                mask: _mm256_set1_epi8(0x0f),
+                zero: _mm256_setzero_si256(),
+            }
         }
-        alternate!(paired, 2, step);
-        let bp = bb.as_ptr();
-        for r in 0..R {
-            let gs = a.gsum.as_ptr().add((i0 + r) * gpr);
-            let mut v = _mm256_add_ps(acc[r][0], acc[r][1]);
+
+        /// Activation row `i`'s code halves at block `b` (even/odd low parts, then the high
+        /// parts with `SPLIT`, else zero) and its two blocks' scales `d`, one per i32 lane.
+        #[target_feature(enable = "avxvnni,avx2,fma")]
+        #[inline]
+        unsafe fn acts<const SPLIT: bool>(
+            &self,
+            a: &IntActs,
+            i: usize,
+            b: usize,
+        ) -> ([__m256i; 4], __m256) {
+            let off = i * a.k / 2 + b * 16;
+            let ld = |v: &Vec<i8>| _mm256_loadu_si256(v.as_ptr().add(off) as *const __m256i);
+            let x = if SPLIT {
+                [ld(&a.el), ld(&a.ol), ld(&a.eh), ld(&a.oh)]
+            } else {
+                [ld(&a.el), ld(&a.ol), self.zero, self.zero]
+            };
+            (
+                x,
+                _mm256_loadu_ps(a.dx.as_ptr().add(4 * (i * a.k / 32 + b))),
+            )
+        }
+
+        /// `acc + Σ_block s_g·d_b·Σ q·x` over the two blocks at `b` of the row whose codes
+        /// start at `rp` and bf16 scales at `sp`.
+        #[target_feature(enable = "avxvnni,avx2,fma")]
+        #[inline]
+        unsafe fn block<const SPLIT: bool, const G: usize>(
+            &self,
+            rp: *const u8,
+            sp: *const i16,
+            b: usize,
+            (x, dxv): &([__m256i; 4], __m256),
+            acc: __m256,
+        ) -> __m256 {
+            let bf = |g: usize| f32::from_bits((*sp.add(g) as u16 as u32) << 16);
+            let wv = _mm256_loadu_si256(rp.add(b * 16) as *const __m256i);
+            let lo = _mm256_and_si256(wv, self.mask);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), self.mask);
+            let ws = if G > 0 {
+                _mm256_set1_ps(bf(b >> G))
+            } else {
+                _mm256_set_m128(_mm_set1_ps(bf(b + 1)), _mm_set1_ps(bf(b)))
+            };
+            let mut s32 = _mm256_dpbusd_avx_epi32(self.zero, lo, x[0]);
+            s32 = _mm256_dpbusd_avx_epi32(s32, hi, x[1]);
+            if SPLIT {
+                let h = _mm256_dpbusd_avx_epi32(self.zero, lo, x[2]);
+                let h = _mm256_dpbusd_avx_epi32(h, hi, x[3]);
+                s32 = _mm256_add_epi32(s32, _mm256_slli_epi32(h, 7));
+            }
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(ws, *dxv), acc)
+        }
+
+        /// Weight row `n`'s output for activation row `i`: the two accumulators, `Σ_g b_g ·
+        /// Σx_g` eight groups at a time and the rest one by one, the blocks past the last
+        /// whole step, then the lanes' sum.
+        #[target_feature(enable = "avxvnni,avx2,fma")]
+        #[inline]
+        unsafe fn finish<const G: usize>(
+            &self,
+            w: &Rows,
+            a: &IntActs,
+            n: usize,
+            i: usize,
+            acc: [__m256; 2],
+        ) -> f32 {
+            let (nb, gpr) = (w.shape.nb, w.shape.gpr);
+            let bb = w.row_biases(n);
+            let bp = bb.as_ptr();
+            let gs = a.gsum.as_ptr().add(i * gpr);
+            let mut v = _mm256_add_ps(acc[0], acc[1]);
             let mut g = 0;
             while g + 8 <= gpr {
                 let bias = _mm256_castsi256_ps(_mm256_slli_epi32(
@@ -632,15 +645,19 @@ mod simd {
                 g += 8;
             }
             let mut y = (g..gpr).map(|g| bf16_at(bb, g) * *gs.add(g)).sum::<f32>();
+            let paired = nb & !1;
             if paired < nb {
-                y += tail_blocks(w.row(n), sb, G, a, i0 + r, paired..nb);
+                y += tail_blocks(w.row(n), w.row_scales(n), G, a, i, paired..nb);
             }
             let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
             let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
             let h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-            out[r] = _mm_cvtss_f32(h) + y;
+            _mm_cvtss_f32(h) + y
         }
     }
+
+    // AVX-VNNI; callers check avxvnni, avx2 and fma.
+    decode_kernels!($ "avxvnni,avx2,fma", StepVnni256, 2, _mm256_setzero_ps(), rows256, row256, pair256);
 }
 
 /// `quant::quantize_row_scalar` on AVX2, bit for bit: the maximum is exact in any order, and
