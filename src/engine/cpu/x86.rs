@@ -598,7 +598,8 @@ mod simd {
             (x, dxv): &([__m256i; 4], __m256),
             acc: __m256,
         ) -> __m256 {
-            let bf = |g: usize| f32::from_bits((*sp.add(g) as u16 as u32) << 16);
+            // the scales need not be 2-byte aligned in the file (safetensors packs tensors as they come)
+            let bf = |g: usize| f32::from_bits((sp.add(g).read_unaligned() as u16 as u32) << 16);
             let wv = _mm256_loadu_si256(rp.add(b * 16) as *const __m256i);
             let lo = _mm256_and_si256(wv, self.mask);
             let hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), self.mask);
