@@ -373,28 +373,7 @@ mod simd {
             i: usize,
             acc: [__m256; 2],
         ) -> f32 {
-            let (nb, gpr) = (w.shape.nb, w.shape.gpr);
-            let bb = w.row_biases(n);
-            let gs = &a.gsum[i * gpr..(i + 1) * gpr];
-            let mut v = _mm256_add_ps(acc[0], acc[1]);
-            let mut g = 0;
-            while g + 8 <= gpr {
-                let bias = _mm256_castsi256_ps(_mm256_slli_epi32(
-                    _mm256_cvtepu16_epi32(_mm_loadu_si128(bb.as_ptr().add(2 * g) as *const _)),
-                    16,
-                ));
-                v = _mm256_fmadd_ps(bias, _mm256_loadu_ps(gs.as_ptr().add(g)), v);
-                g += 8;
-            }
-            let mut y = (g..gpr).map(|g| bf16_at(bb, g) * gs[g]).sum::<f32>();
-            let paired = nb & !1;
-            if paired < nb {
-                y += tail_blocks(w.row(n), w.row_scales(n), G, a, i, paired..nb);
-            }
-            let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            let h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-            _mm_cvtss_f32(h) + y
+            finish256::<G>(w, a, n, i, acc)
         }
     }
 
@@ -544,6 +523,42 @@ mod simd {
         pair512
     );
 
+    /// Weight row `n`'s output for activation row `i` from a 256-bit step's two accumulators
+    /// (AVX2's and AVX-VNNI's): `Σ_g b_g · Σx_g` eight groups at a time and the rest one by
+    /// one, the blocks past the last whole step, then the lanes' sum.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn finish256<const G: usize>(
+        w: &Rows,
+        a: &IntActs,
+        n: usize,
+        i: usize,
+        acc: [__m256; 2],
+    ) -> f32 {
+        let (nb, gpr) = (w.shape.nb, w.shape.gpr);
+        let bb = w.row_biases(n);
+        let gs = &a.gsum[i * gpr..(i + 1) * gpr];
+        let mut v = _mm256_add_ps(acc[0], acc[1]);
+        let mut g = 0;
+        while g + 8 <= gpr {
+            let bias = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128(bb.as_ptr().add(2 * g) as *const _)),
+                16,
+            ));
+            v = _mm256_fmadd_ps(bias, _mm256_loadu_ps(gs.as_ptr().add(g)), v);
+            g += 8;
+        }
+        let mut y = (g..gpr).map(|g| bf16_at(bb, g) * gs[g]).sum::<f32>();
+        let paired = nb & !1;
+        if paired < nb {
+            y += tail_blocks(w.row(n), w.row_scales(n), G, a, i, paired..nb);
+        }
+        let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        let h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+        _mm_cvtss_f32(h) + y
+    }
+
     /// The constants of an AVX-VNNI step (two 32-value blocks: the VEX-encoded 256-bit
     /// `vpdpbusd` of Alder Lake and later desktop parts), set up once per row.
     struct StepVnni256 {
@@ -618,9 +633,7 @@ mod simd {
             _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(ws, *dxv), acc)
         }
 
-        /// Weight row `n`'s output for activation row `i`: the two accumulators, `Σ_g b_g ·
-        /// Σx_g` eight groups at a time and the rest one by one, the blocks past the last
-        /// whole step, then the lanes' sum.
+        /// Weight row `n`'s output for activation row `i` (`finish256`).
         #[target_feature(enable = "avxvnni,avx2,fma")]
         #[inline]
         unsafe fn finish<const G: usize>(
@@ -631,29 +644,7 @@ mod simd {
             i: usize,
             acc: [__m256; 2],
         ) -> f32 {
-            let (nb, gpr) = (w.shape.nb, w.shape.gpr);
-            let bb = w.row_biases(n);
-            let bp = bb.as_ptr();
-            let gs = a.gsum.as_ptr().add(i * gpr);
-            let mut v = _mm256_add_ps(acc[0], acc[1]);
-            let mut g = 0;
-            while g + 8 <= gpr {
-                let bias = _mm256_castsi256_ps(_mm256_slli_epi32(
-                    _mm256_cvtepu16_epi32(_mm_loadu_si128(bp.add(2 * g) as *const __m128i)),
-                    16,
-                ));
-                v = _mm256_fmadd_ps(bias, _mm256_loadu_ps(gs.add(g)), v);
-                g += 8;
-            }
-            let mut y = (g..gpr).map(|g| bf16_at(bb, g) * *gs.add(g)).sum::<f32>();
-            let paired = nb & !1;
-            if paired < nb {
-                y += tail_blocks(w.row(n), w.row_scales(n), G, a, i, paired..nb);
-            }
-            let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            let h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-            _mm_cvtss_f32(h) + y
+            finish256::<G>(w, a, n, i, acc)
         }
     }
 
