@@ -254,8 +254,8 @@ impl Linear {
 
     /// What a decode step's region over these projections (one, or several sharing their
     /// input) reads first, for the team to read ahead (`cpu::team::read_ahead`): the LoRA
-    /// branches' `a` matrices (the leader's `x @ a` reads them before the region opens), then
-    /// the region's first tasks; empty for weights the CPU's quantized kernel does not run.
+    /// branches' `a` matrices (the region's first tasks, `x @ a`, read them), then the
+    /// matmul's first tasks; empty for weights the CPU's quantized kernel does not run.
     pub(crate) fn lead_in(ls: &[&Linear]) -> Ahead {
         let mut ws = Vec::with_capacity(ls.len());
         for l in ls {
@@ -271,12 +271,14 @@ impl Linear {
         Ahead::before(&a, crate::engine::cpu::quant::decode_lead_in(&ws))
     }
 
-    /// A decode row through quantized projections some of which carry LoRA branches, each
-    /// branch split in two: `scale · (x @ a)` (rank-wide) here on the leading thread, then its
-    /// `@ b` inside the region, each task adding it to the rows it computed, so the branches'
-    /// larger half streams on every thread beside the weights instead of after them on one.
-    /// (The bench's time split then counts that half as projections, and the first under
-    /// LoRA.) `None` when a branch has no host copies or the kernel takes another path.
+    /// A decode row through quantized projections some of which carry LoRA branches, both
+    /// halves of each branch inside the matmul's region: `scale · (x @ a)` as its first tasks,
+    /// a piece of the input each (`lora::FirstHalves`), then `@ b` in each task, added to the
+    /// rows it computed. Both stream on every thread beside the weights; the leading thread
+    /// alone ran the first half between regions before (`--synthetic-lora`, 0.6B, 2 threads:
+    /// 4.4% of a decode step, the helper idle meanwhile). (The bench's time split counts both
+    /// as projections.) `None` when a branch has no host copies or the kernel takes another
+    /// path.
     fn matvec_with_lora(
         ls: &[&Linear],
         ws: &[&QMatrix],
@@ -303,35 +305,52 @@ impl Linear {
             // e.g. f32 activations (`exact`): `qmatmul`'s path, with the branch after it
             return false;
         }
-        let t = Instant::now();
-        let mut halves = Vec::with_capacity(ls.len());
+        // per matrix: its branch's index among the region's and its `b` transposed
+        let mut second = Vec::with_capacity(ls.len());
+        let mut firsts = Vec::new();
         for (l, w) in ls.iter().zip(ws) {
-            halves.push(match &l.lora {
+            second.push(match &l.lora {
                 None => None,
                 Some(br) => {
                     let Some((a, b, scale)) = br.host_parts() else {
                         return false;
                     };
                     // the adapter's shapes were checked against the model's at load
-                    if a.len() % xs.len() != 0 || b.len() != a.len() / xs.len() * w.rows {
+                    let r = a.len() / xs.len();
+                    if a.len() % xs.len() != 0
+                        || b.len() != crate::engine::lora::blocked_len(r, w.rows)
+                    {
                         return false;
                     }
-                    Some((b, crate::engine::lora::project_a(a, scale, xs)))
+                    firsts.push((a, scale));
+                    Some((firsts.len() - 1, b))
                 }
             });
         }
-        let lora = halves.iter().any(Option::is_some);
-        if lora {
-            profile::add(Part::Lora, t);
-        }
+        let Some(halves) = crate::engine::lora::FirstHalves::new(xs, &firsts) else {
+            return false;
+        };
+        let pre = |p: usize| halves.piece(p);
         let then = |i: usize, first: usize, outs: &mut [f32]| {
-            if let Some((b, c)) = &halves[i] {
-                crate::engine::lora::add_b(b, c, first, outs);
+            if let Some((k, b)) = second[i] {
+                crate::engine::lora::add_b(b, &halves.first_half(k), first, outs);
             }
         };
-        let then: Option<crate::engine::cpu::quant::Then> = if lora { Some(&then) } else { None };
+        let warm = |i: usize, first: usize, outs: &mut [f32]| {
+            if let Some((k, b)) = second[i] {
+                let r = firsts[k].0.len() / xs.len();
+                let rows = first..first + outs.len();
+                crate::engine::cpu::team::prefetch(crate::engine::lora::blocks_of(b, r, rows));
+            }
+        };
+        let extra = (!firsts.is_empty()).then_some(crate::engine::cpu::quant::Extra {
+            pre_tasks: halves.pieces(),
+            pre: &pre,
+            warm: &warm,
+            then: &then,
+        });
         let t = Instant::now();
-        let done = crate::engine::cpu::quant::qmatvec_shared_into(ws, xs, kernel, then, acts, ys);
+        let done = crate::engine::cpu::quant::qmatvec_shared_into(ws, xs, kernel, extra, acts, ys);
         profile::add(ls[0].part, t);
         done
     }
@@ -528,6 +547,86 @@ mod tests {
     use super::*;
     use crate::engine::quant::testutil::random_qmatrix;
     use crate::engine::weights::Dtype;
+
+    /// A decode row through q|k|v-like projections sharing their input, two with LoRA
+    /// branches (ranks 8 and 3, an input of three `lora::PIECE`s, row counts that cut the
+    /// branches' blocks of `b` mid-block): on a team (both halves of each branch inside the
+    /// region) and on rayon, the bits of the matmul alone plus `lora::add_host`.
+    #[test]
+    fn lora_in_the_region_gives_the_serial_bits() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let cols = 2560;
+        let mut v = |n: usize| {
+            (0..n)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect::<Vec<_>>()
+        };
+        let x = v(cols);
+        let rows = [1004, 302, 508];
+        let mut ls = Vec::new();
+        for (i, (&n, r)) in rows.iter().zip([Some(8), None, Some(3)]).enumerate() {
+            let w = Arc::new(random_qmatrix(n, cols, 4, 64, Dtype::BF16, i as u64 + 1));
+            let lora = r.map(|r| {
+                let a = Tensor::from_vec(v(cols * r), (cols, r), &Device::Cpu).expect("a");
+                let b = Tensor::from_vec(v(r * n), (r, n), &Device::Cpu).expect("b");
+                LoraBranch::new(a, b, 4.0).expect("branch")
+            });
+            ls.push(Linear {
+                weight: Weight::Quant(w),
+                lora,
+                kernel: Numerics::Fast,
+                part: Part::Projections,
+            });
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("pool");
+        let want: Vec<Vec<f32>> = pool.install(|| {
+            ls.iter()
+                .map(|l| {
+                    let Weight::Quant(q) = &l.weight else {
+                        unreachable!()
+                    };
+                    let mut y = crate::engine::cpu::quant::qmatvec_shared(&[q], &x, l.kernel)
+                        .expect("int kernel")
+                        .remove(0);
+                    if let Some((a, bb, scale)) = l.lora.as_ref().and_then(|b| b.host_parts()) {
+                        crate::engine::lora::add_host(a, bb, scale, &x, cols, &mut y);
+                    }
+                    y
+                })
+                .collect()
+        });
+        for lead in [false, true] {
+            let got = pool.install(|| {
+                let run = || {
+                    let mut ys: Vec<Vec<f32>> = rows.iter().map(|&n| vec![0f32; n]).collect();
+                    let [y0, y1, y2] = &mut ys[..] else {
+                        unreachable!()
+                    };
+                    let mut acts = crate::engine::cpu::quant::IntActs::default();
+                    Linear::forward_host([&ls[0], &ls[1], &ls[2]], &x, &mut acts, [y0, y1, y2])
+                        .expect("forward_host");
+                    ys
+                };
+                if lead {
+                    crate::engine::cpu::team::Team::lead(run)
+                } else {
+                    run()
+                }
+            });
+            assert_eq!(got, want, "lead {lead}");
+        }
+        let plain = pool.install(|| {
+            let Weight::Quant(q) = &ls[0].weight else {
+                unreachable!()
+            };
+            crate::engine::cpu::quant::qmatvec_shared(&[q], &x, Numerics::Fast).expect("int")
+        });
+        assert_ne!(plain[0], want[0], "the branch must change the output");
+    }
 
     /// A decode region's read-ahead hint names its LoRA branches' `a` matrices (host copies,
     /// whole, in bytes) before the region's first tasks, and only the tasks without them.

@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
@@ -23,12 +24,13 @@ pub struct LoraBranch {
     /// [r, out]
     pub b: Tensor,
     pub scale: f64,
-    /// On the CPU, `a` [in, r] and `b` transposed, [out, r], row-major: the branch then runs
-    /// as two short loops instead of two candle matmuls (whose set-up cost more than the
-    /// rank-8 products). Transposed, a range of outputs reads one contiguous block of `b`
-    /// (rank-wide rows) where [r, out] took r short runs, each a cold start for the hardware
-    /// prefetcher (`--synthetic-lora` decode cost, in one run alternating per token, 0.6B on
-    /// 2 threads: +8.1 / +8.8% -> +5.6 / +7.3%).
+    /// On the CPU, `a` [in, r] row-major and `b` in blocks of `LANES` outputs (`block_b`):
+    /// the branch then runs as two short loops instead of two candle matmuls (whose set-up
+    /// cost more than the rank-8 products). A block holds its outputs' r values of `b` as r
+    /// runs of `LANES`, so a range of outputs reads one contiguous stretch (no r short runs
+    /// of [r, out], each a cold start for the hardware prefetcher) and `add_b` works on
+    /// `LANES` outputs a vector, where [out, r] rows took a horizontal sum per output (3.2% of
+    /// a `--synthetic-lora` pass's cycles, with the branches on half its tokens).
     host: Option<Arc<(Vec<f32>, Vec<f32>)>>,
 }
 
@@ -41,7 +43,8 @@ impl LoraBranch {
     pub fn new(a: Tensor, b: Tensor, scale: f64) -> Result<Self> {
         let host = if a.device().is_cpu() {
             let flat = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
-            Some(Arc::new((flat(&a)?, flat(&b.t()?)?)))
+            let (r, out) = b.dims2()?;
+            Some(Arc::new((flat(&a)?, block_b(&flat(&b)?, r, out))))
         } else {
             None
         };
@@ -68,7 +71,7 @@ impl LoraBranch {
         true
     }
 
-    /// The host copies of `a` [in, r] and of `b` transposed, [out, r] (row-major), with the
+    /// The host copies of `a` [in, r] (row-major) and of `b` in blocks (`block_b`), with the
     /// scale, where the branch has them (the CPU).
     pub fn host_parts(&self) -> Option<(&[f32], &[f32], f32)> {
         self.host
@@ -93,99 +96,274 @@ impl LoraBranch {
     }
 }
 
+/// Outputs a block of `b` holds (`block_b`): one f32 vector of AVX2, two of NEON.
+pub const LANES: usize = 8;
+
+/// `b` [r, out] (row-major) as blocks of `LANES` outputs, each its r runs of `LANES` values
+/// (the last block padded with zeros): output `n`'s `b[j][n]` sits at
+/// `(n / LANES) * r * LANES + j * LANES + n % LANES`.
+pub fn block_b(b: &[f32], r: usize, out: usize) -> Vec<f32> {
+    let mut blocks = vec![0f32; blocked_len(r, out)];
+    for (j, row) in b.chunks_exact(out.max(1)).take(r).enumerate() {
+        for (n, &v) in row.iter().enumerate() {
+            blocks[(n / LANES) * r * LANES + j * LANES + n % LANES] = v;
+        }
+    }
+    blocks
+}
+
+/// The length of `block_b`'s result for `b` [r, out].
+pub fn blocked_len(r: usize, out: usize) -> usize {
+    out.div_ceil(LANES) * r * LANES
+}
+
+/// The blocks of `bb` (`block_b`, rank `r`) that hold outputs `rows`.
+pub fn blocks_of(bb: &[f32], r: usize, rows: std::ops::Range<usize>) -> &[f32] {
+    let end = (rows.end.div_ceil(LANES) * r * LANES).min(bb.len());
+    &bb[((rows.start / LANES) * r * LANES).min(end)..end]
+}
+
 /// `y[i] += scale * Σ_j (Σ_k x[i][k] a[k][j]) b[j]` for every row i of `x` (`inp` wide);
-/// `a` is [inp, r], `bt` is `b` transposed, [out, r], row-major.
-pub fn add_host(a: &[f32], bt: &[f32], scale: f32, x: &[f32], inp: usize, y: &mut [f32]) {
-    let r = a.len() / inp.max(1);
-    let out = bt.len() / r.max(1);
+/// `a` is [inp, r], `bb` is `b` in blocks (`block_b`).
+pub fn add_host(a: &[f32], bb: &[f32], scale: f32, x: &[f32], inp: usize, y: &mut [f32]) {
+    let out = y.len() / (x.len() / inp.max(1)).max(1);
     for (xi, yi) in x.chunks_exact(inp).zip(y.chunks_exact_mut(out)) {
         let c = project_a(a, scale, xi);
-        add_b(bt, &c, 0, yi);
+        add_b(bb, &c, 0, yi);
     }
 }
+
+/// Inputs per piece of `x @ a`: the sum runs a piece at a time, pieces added in order, so a
+/// team can compute the pieces in parallel (`FirstHalves`) and get the bits of one thread's
+/// `project_a`, whatever the thread count. Pieces need not balance the threads (those
+/// without one start on the matmul meanwhile), only be few: each is a claim of the region's
+/// shared counter (`--synthetic-lora`, 0.6B, 2 threads, 256 against 1024: no difference
+/// above the run-to-run noise, and 4x the claims).
+pub const PIECE: usize = 1024;
 
 /// `scale * (x @ a)` for one row `x` (`a` [x.len(), r]): the rank-r vector the second half
 /// (`add_b`) spreads over the outputs.
 pub fn project_a(a: &[f32], scale: f32, x: &[f32]) -> Vec<f32> {
+    let r = a.len() / x.len().max(1);
+    let mut sum = vec![0f32; r];
+    let mut part = vec![0f32; r];
+    for p in 0..x.len().div_ceil(PIECE) {
+        project_piece(a, x, p, &mut part);
+        sum.iter_mut().zip(&part).for_each(|(s, v)| *s += v);
+    }
+    sum.iter_mut().for_each(|s| *s *= scale);
+    sum
+}
+
+/// `Σ_k x[k] a[k]` over the inputs `k` of piece `p` (`PIECE` of them, fewer in the last),
+/// into `out` (r values).
+pub fn project_piece(a: &[f32], x: &[f32], p: usize, out: &mut [f32]) {
+    let r = out.len();
+    let k = (p * PIECE).min(x.len())..((p + 1) * PIECE).min(x.len());
+    let (a, x) = (&a[k.start * r..k.end * r], &x[k]);
     #[cfg(target_arch = "x86_64")]
     if crate::engine::cpu::isa::active().avx2() {
         // SAFETY: the CPU has AVX2 and FMA (`isa` detected them).
-        return unsafe { project_a_avx2(a, scale, x) };
+        return unsafe { project_piece_avx2(a, x, out) };
     }
-    project_a_body(a, scale, x)
+    project_piece_body(a, x, out)
 }
 
-/// `y[n - first] += Σ_j c[j] bt[n][j]` for the outputs `first..first + y.len()` (`bt` [out,
-/// r]): one task's rows of a projection, each output as `add_host` computes it for the whole
-/// row, so the result does not depend on how rows are split.
-pub fn add_b(bt: &[f32], c: &[f32], first: usize, y: &mut [f32]) {
+/// The first halves (`scale · (x @ a)`) of a region's LoRA branches, which share the input
+/// `x`, computed a piece of the input at a time (`piece`, one task of the region each) and
+/// read back whole (`first_half`) by the tasks that add the second halves. The pieces' sums
+/// are stored as f32 bits in atomics: written by one thread, read by others after the
+/// region's count of finished pieces says they are done (`team::Ready`).
+pub struct FirstHalves<'a> {
+    x: &'a [f32],
+    /// Each branch's `a` [x.len(), r], scale, and where its r values start in a piece's row.
+    branches: Vec<(&'a [f32], f32, usize)>,
+    /// Σ r over the branches: one piece's row of `sums`.
+    width: usize,
+    sums: Vec<AtomicU32>,
+}
+
+impl<'a> FirstHalves<'a> {
+    /// For `x` and each branch's `a` [x.len(), r] and scale; `None` where an `a` does not
+    /// have a whole number of rows of `x.len()` values.
+    pub fn new(x: &'a [f32], branches: &[(&'a [f32], f32)]) -> Option<Self> {
+        let mut width = 0;
+        let mut bs = Vec::with_capacity(branches.len());
+        for &(a, scale) in branches {
+            if x.is_empty() || !a.len().is_multiple_of(x.len()) {
+                return None;
+            }
+            bs.push((a, scale, width));
+            width += a.len() / x.len();
+        }
+        let sums = (0..width * x.len().div_ceil(PIECE))
+            .map(|_| AtomicU32::new(0))
+            .collect();
+        Some(FirstHalves {
+            x,
+            branches: bs,
+            width,
+            sums,
+        })
+    }
+
+    /// Tasks of the first halves: one a piece of the input.
+    pub fn pieces(&self) -> usize {
+        self.x.len().div_ceil(PIECE)
+    }
+
+    /// Piece `p` of every branch.
+    pub fn piece(&self, p: usize) {
+        let mut part = Vec::new();
+        for &(a, _, at) in &self.branches {
+            part.resize(a.len() / self.x.len(), 0f32);
+            project_piece(a, self.x, p, &mut part);
+            for (slot, v) in self.sums[p * self.width + at..].iter().zip(&part) {
+                slot.store(v.to_bits(), Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Branch `i`'s `scale · (x @ a)`, from its pieces once all have run: `project_a`'s bits.
+    pub fn first_half(&self, i: usize) -> Vec<f32> {
+        let (a, scale, at) = self.branches[i];
+        let r = a.len() / self.x.len();
+        let mut sum = vec![0f32; r];
+        for row in self.sums.chunks_exact(self.width) {
+            for (s, v) in sum.iter_mut().zip(&row[at..at + r]) {
+                *s += f32::from_bits(v.load(Ordering::Relaxed));
+            }
+        }
+        sum.iter_mut().for_each(|s| *s *= scale);
+        sum
+    }
+}
+
+/// `y[n - first] += Σ_j c[j] b[j][n]` for the outputs `first..first + y.len()` (`bb`: `b` in
+/// blocks, `block_b`): one task's rows of a projection, each output as `add_host` computes it
+/// for the whole row, so the result does not depend on how rows are split.
+pub fn add_b(bb: &[f32], c: &[f32], first: usize, y: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if crate::engine::cpu::isa::active().avx2() {
         // SAFETY: as above.
-        return unsafe { add_b_avx2(bt, c, first, y) };
+        return unsafe { add_b_avx2(bb, c, first, y) };
     }
-    add_b_body(bt, c, first, y)
+    add_b_body(bb, c, first, y)
 }
 
 /// The same loops compiled for AVX2 + FMA (the default build targets baseline x86-64).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn project_a_avx2(a: &[f32], scale: f32, x: &[f32]) -> Vec<f32> {
-    project_a_body(a, scale, x)
+unsafe fn project_piece_avx2(a: &[f32], x: &[f32], out: &mut [f32]) {
+    project_piece_body(a, x, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn add_b_avx2(bt: &[f32], c: &[f32], first: usize, y: &mut [f32]) {
-    add_b_body(bt, c, first, y)
+unsafe fn add_b_avx2(bb: &[f32], c: &[f32], first: usize, y: &mut [f32]) {
+    add_b_body(bb, c, first, y)
 }
 
-/// Four partial sums over interleaved rows of `a`: one chain of rank-wide adds would wait on
-/// each add's latency at every input (the whole `x @ a` of a decode step was a ~0.7M-cycle
-/// chain on the 0.6B shape with 16 adapted layers).
+/// Four partial sums over interleaved rows of `a` (`x.len()` rows of `out.len()`): one chain
+/// of rank-wide adds would wait on each add's latency at every input (the whole `x @ a` of a
+/// decode step was a ~0.7M-cycle chain on the 0.6B shape with 16 adapted layers). Rank 8, the
+/// common one, on arrays so the chains stay in registers.
 #[inline(always)]
-fn project_a_body(a: &[f32], scale: f32, x: &[f32]) -> Vec<f32> {
+fn project_piece_body(a: &[f32], x: &[f32], out: &mut [f32]) {
     const CHAINS: usize = 4;
-    let r = a.len() / x.len().max(1);
+    let r = out.len();
+    if r == 8 {
+        let mut t = [[0f32; 8]; CHAINS];
+        let mut rows = x.iter().zip(a.chunks_exact(8));
+        'rows: loop {
+            for tc in t.iter_mut() {
+                let Some((&xv, ar)) = rows.next() else {
+                    break 'rows;
+                };
+                for (tj, &aj) in tc.iter_mut().zip(ar) {
+                    *tj += xv * aj;
+                }
+            }
+        }
+        let [t0, t1, t2, t3] = t;
+        for (j, o) in out.iter_mut().enumerate() {
+            *o = (t0[j] + t1[j]) + (t2[j] + t3[j]);
+        }
+        return;
+    }
     let mut t = [const { Vec::new() }; CHAINS];
     t.iter_mut().for_each(|v| v.resize(r, 0f32));
     let mut rows = x.iter().zip(a.chunks_exact(r.max(1)));
-    loop {
-        let mut any = false;
+    'rows: loop {
         for tc in t.iter_mut() {
-            let Some((&xv, ar)) = rows.next() else { break };
-            any = true;
+            let Some((&xv, ar)) = rows.next() else {
+                break 'rows;
+            };
             for (tj, &aj) in tc.iter_mut().zip(ar) {
                 *tj += xv * aj;
             }
         }
-        if !any {
-            break;
-        }
     }
     let [t0, t1, t2, t3] = t;
-    t0.iter()
-        .zip(&t1)
-        .zip(t2.iter().zip(&t3))
-        .map(|((a, b), (c, d))| ((a + b) + (c + d)) * scale)
-        .collect()
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = (t0[j] + t1[j]) + (t2[j] + t3[j]);
+    }
 }
 
-/// Each output's rank-wide dot product, summed as a tree (rank 8, the common one, unrolled so
-/// it vectorizes), then added to the output.
+/// Each output's rank-wide dot product, added to the output: `LANES` outputs at a time where
+/// a whole block is in range (vertical adds of r vectors, which vectorize), one at a time at
+/// the ends, in the same order per output either way. Rank 8, the common one, sums its
+/// products as a tree; other ranks in order.
 #[inline(always)]
-fn add_b_body(bt: &[f32], c: &[f32], first: usize, y: &mut [f32]) {
+fn add_b_body(bb: &[f32], c: &[f32], first: usize, y: &mut [f32]) {
     let r = c.len();
+    let one = |n: usize| -> f32 {
+        let base = (n / LANES) * r * LANES + n % LANES;
+        let b = |j: usize| bb[base + j * LANES];
+        if r == 8 {
+            let mut p = [0f32; 8];
+            for (j, pj) in p.iter_mut().enumerate() {
+                *pj = c[j] * b(j);
+            }
+            return ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
+        }
+        (0..r).fold(0f32, |s, j| s + c[j] * b(j))
+    };
+    let end = first + y.len();
+    // the outputs before the first whole block, and the whole blocks' range
+    let lo = first.next_multiple_of(LANES).min(end);
+    let hi = lo + (end - lo) / LANES * LANES;
+    for n in (first..lo).chain(hi..end) {
+        y[n - first] += one(n);
+    }
+    let blocks = bb[(lo / LANES) * r * LANES..(hi / LANES) * r * LANES].chunks_exact(r * LANES);
+    let ys = y[lo - first..hi - first].chunks_exact_mut(LANES);
     if r == 8 {
-        let c: [f32; 8] = std::array::from_fn(|j| c[j]);
-        for (yv, row) in y.iter_mut().zip(bt[first * 8..].chunks_exact(8)) {
-            let p: [f32; 8] = std::array::from_fn(|j| c[j] * row[j]);
-            *yv += ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
+        // (plain loops: `array::from_fn` is not inlined into the AVX2 copy of this body)
+        for (yv, blk) in ys.zip(blocks) {
+            let mut p = [[0f32; LANES]; 8];
+            for ((pj, run), &cj) in p.iter_mut().zip(blk.chunks_exact(LANES)).zip(c) {
+                for (pl, &bl) in pj.iter_mut().zip(run) {
+                    *pl = cj * bl;
+                }
+            }
+            for (l, v) in yv.iter_mut().enumerate() {
+                *v += ((p[0][l] + p[4][l]) + (p[1][l] + p[5][l]))
+                    + ((p[2][l] + p[6][l]) + (p[3][l] + p[7][l]));
+            }
         }
         return;
     }
-    for (yv, row) in y.iter_mut().zip(bt[first * r..].chunks_exact(r.max(1))) {
-        *yv += c.iter().zip(row).map(|(c, b)| c * b).sum::<f32>();
+    for (yv, blk) in ys.zip(blocks) {
+        let mut s = [0f32; LANES];
+        for (&cj, run) in c.iter().zip(blk.chunks_exact(LANES)) {
+            for (sl, &bl) in s.iter_mut().zip(run) {
+                *sl += cj * bl;
+            }
+        }
+        for (v, sl) in yv.iter_mut().zip(s) {
+            *v += sl;
+        }
     }
 }
 
@@ -380,19 +558,26 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
-    /// The branch's second half over a row split into task-sized pieces gives the bits of
-    /// the whole row, and the first half (four partial sums) matches a single-chain sum within
-    /// f32 rounding; odd sizes and ranks.
+    /// The branch's second half (from `b` in blocks) matches a plain dot product per output,
+    /// and over a row split into pieces at any offset gives the bits of the whole row; the
+    /// first half (four partial sums a piece) matches a single-chain sum within f32 rounding;
+    /// odd sizes and ranks.
     #[test]
     fn halves_split_like_whole_rows() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
-        for (inp, r, out, piece) in [(67, 8, 50, 7), (1024, 8, 96, 32), (5, 3, 9, 4)] {
+        for (inp, r, out, piece) in [
+            (67, 8, 50, 7),
+            (3000, 8, 96, 32),
+            (5, 3, 9, 4),
+            (9, 5, 21, 13),
+        ] {
             let mut v = |n: usize| {
                 (0..n)
                     .map(|_| rng.random_range(-1.0f32..1.0))
                     .collect::<Vec<_>>()
             };
-            let (a, bt, x, y0) = (v(inp * r), v(out * r), v(inp), v(out));
+            let (a, b, x, y0) = (v(inp * r), v(r * out), v(inp), v(out));
+            let bb = block_b(&b, r, out);
             let c = project_a(&a, 3.0, &x);
             let mut naive = vec![0f32; r];
             for (k, &xv) in x.iter().enumerate() {
@@ -405,16 +590,50 @@ mod tests {
                 assert!((got - want * 3.0).abs() <= bound, "{got} vs {}", want * 3.0);
             }
             let mut whole = y0.clone();
-            add_b(&bt, &c, 0, &mut whole);
+            add_b(&bb, &c, 0, &mut whole);
+            for (n, (&got, &y)) in whole.iter().zip(&y0).enumerate() {
+                let want: f32 = (0..r).map(|j| c[j] * b[j * out + n]).sum();
+                assert!(
+                    (got - y - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "output {n}"
+                );
+            }
             let mut pieces = y0.clone();
             let mut first = 0;
             for chunk in pieces.chunks_mut(piece) {
-                add_b(&bt, &c, first, chunk);
+                add_b(&bb, &c, first, chunk);
                 first += chunk.len();
             }
             assert_eq!(whole, pieces, "inp {inp} r {r} out {out}");
             assert_ne!(whole, y0);
         }
+    }
+
+    /// The first halves of several branches computed a piece at a time, the pieces on a
+    /// pool's threads in any order, give `project_a`'s bits for each branch (ranks 8 and 3,
+    /// inputs over several pieces and fewer than one).
+    #[test]
+    fn pieces_on_threads_give_project_a_bits() {
+        use rayon::prelude::*;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        for inp in [2500, 1024, 100] {
+            let mut v = |n: usize| {
+                (0..n)
+                    .map(|_| rng.random_range(-1.0f32..1.0))
+                    .collect::<Vec<_>>()
+            };
+            let (x, a8, a3) = (v(inp), v(inp * 8), v(inp * 3));
+            let halves = FirstHalves::new(&x, &[(&a8, 2.5), (&a3, -0.5)]).expect("halves");
+            assert_eq!(halves.pieces(), inp.div_ceil(PIECE));
+            (0..halves.pieces())
+                .into_par_iter()
+                .rev()
+                .for_each(|p| halves.piece(p));
+            assert_eq!(halves.first_half(0), project_a(&a8, 2.5, &x), "inp {inp}");
+            assert_eq!(halves.first_half(1), project_a(&a3, -0.5, &x), "inp {inp}");
+            assert!(halves.first_half(0).iter().any(|&c| c != 0.0));
+        }
+        assert!(FirstHalves::new(&[1.0; 10], &[(&[0.0; 25], 1.0)]).is_none());
     }
 
     /// The CPU loops against candle's `y + scale * ((x @ a) @ b)`: 1 and 5 rows, rank 8 and 3.

@@ -726,17 +726,30 @@ pub fn decode_shared_ok(ws: &[&QMatrix], k: usize, kernel: Numerics) -> bool {
 /// outputs)` (a LoRA branch's second half, `lora::add_b`), on the thread that computed them.
 pub type Then<'a> = &'a (dyn Fn(usize, usize, &mut [f32]) + Sync);
 
+/// Work a decode region does beside the matmul (its LoRA branches): `pre(j)` for `j` in
+/// `0..pre_tasks` (the branches' `x @ a`, a piece of the input each), as the region's first
+/// tasks; `warm` on each task's rows before its matmul (prefetches what `then` reads); and
+/// `then` on them once the matmul is done and every `pre` task has finished
+/// (`team::for_each_mut_after`).
+#[derive(Clone, Copy)]
+pub struct Extra<'a> {
+    pub pre_tasks: usize,
+    pub pre: &'a (dyn Fn(usize) + Sync),
+    pub warm: Then<'a>,
+    pub then: Then<'a>,
+}
+
 /// `qmatvec_shared` into the caller's buffers: `ys[i]` holds one value per row of `ws[i]`
 /// (every one is written), `acts` the activations' buffers (`IntActs::fill`); a decode
-/// step's scratch keeps both from token to token. `then` runs on each task's rows inside the
-/// region (a LoRA branch's second half): work that would otherwise follow the region on the
+/// step's scratch keeps both from token to token. `extra` runs in the region too (a LoRA
+/// branch's two halves): work that would otherwise come before or after the region on the
 /// leading thread alone runs on the whole team. `false`, nothing written, where
 /// `qmatvec_shared` returns `None`.
 pub fn qmatvec_shared_into(
     ws: &[&QMatrix],
     x: &[f32],
     kernel: Numerics,
-    then: Option<Then>,
+    extra: Option<Extra>,
     acts: &mut IntActs,
     ys: Vec<&mut [f32]>,
 ) -> bool {
@@ -752,10 +765,18 @@ pub fn qmatvec_shared_into(
     acts.fill(x, 1, k, gs, split, ActLayout::for_isa(isa, split));
     let a = &*acts;
     let mut tasks = decode_parts(ws, ys);
-    team::for_each_mut(&mut tasks, |(i, first, outs)| {
+    let (pre_tasks, pre): (usize, &(dyn Fn(usize) + Sync)) = match extra {
+        Some(e) => (e.pre_tasks, e.pre),
+        None => (0, &|_| {}),
+    };
+    team::for_each_mut_after(pre_tasks, pre, &mut tasks, |(i, first, outs), ready| {
+        if let Some(e) = extra {
+            (e.warm)(*i, *first, outs);
+        }
         int_task(ws[*i], a, *first, 1, split, isa, outs);
-        if let Some(then) = then {
-            then(*i, *first, outs);
+        if let Some(e) = extra {
+            ready.wait();
+            (e.then)(*i, *first, outs);
         }
     });
     true

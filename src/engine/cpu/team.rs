@@ -36,7 +36,7 @@ const MAX_TASKS: usize = u16::MAX as usize;
 pub const AHEAD_BYTES: usize = 1 << 20;
 
 /// Ranges a hint holds: a region's first two tasks, and before them up to three LoRA `a`
-/// matrices (q|k|v's), which the leader reads first, between the regions.
+/// matrices (q|k|v's), which the region's first tasks read (`for_each_mut_after`).
 const RANGES: usize = 5;
 
 /// What the next region reads first: up to `RANGES` byte ranges, as addresses (a hint: they
@@ -110,6 +110,18 @@ fn prefetch_line(addr: usize) {
     let _ = addr;
 }
 
+/// Every cache line of `s` into L2 (`prefetch_line`): for a task to ask early for small data
+/// it reads only after its main work (a LoRA branch's `b` for its rows, after the matmul),
+/// which would otherwise come from DRAM a miss at a time.
+pub fn prefetch<T>(s: &[T]) {
+    let (addr, len) = (s.as_ptr() as usize, std::mem::size_of_val(s));
+    let mut off = 0;
+    while off < len {
+        prefetch_line(addr.wrapping_add(off));
+        off += 64;
+    }
+}
+
 /// A helper's progress through the current read-ahead hint.
 #[derive(Default)]
 struct Reading {
@@ -139,6 +151,74 @@ pub fn for_each_mut<T: Send>(items: &mut [T], f: impl Fn(&mut T) + Sync) {
     };
     // SAFETY: `LEADING` is set only inside `Team::lead` on this thread, while the team lives.
     unsafe { (*team).run(items.len(), &run) };
+}
+
+/// What a task of `for_each_mut_after` waits on: every leading task (`pre`) finished.
+pub struct Ready<'a> {
+    done: &'a AtomicUsize,
+    of: usize,
+}
+
+impl Ready<'_> {
+    /// Returns once every `pre` task has finished (and its writes are visible to this
+    /// thread). In a team the wait is short or none: tasks are claimed in index order, so
+    /// every `pre` task is already running on some thread by the time an item's task starts.
+    pub fn wait(&self) {
+        let mut idle = 0u32;
+        while self.done.load(Ordering::Acquire) < self.of {
+            pause(&mut idle);
+        }
+    }
+}
+
+/// `pre(j)` for each `j` in `0..pre_tasks`, then `f(item, ready)` for every item, in one
+/// parallel region where this thread leads a team: the `pre` tasks come first in the claim
+/// order and an item's task calls `ready.wait()` before it uses what they wrote. Work that
+/// every item needs (a LoRA branch's `x @ a`) then runs on the whole team instead of before
+/// the region on the leading thread alone, and an item waits only after its own share of the
+/// rest. Elsewhere (rayon, whose jobs run in no fixed order) the `pre` tasks run first, as a
+/// region of their own.
+pub fn for_each_mut_after<T: Send>(
+    pre_tasks: usize,
+    pre: impl Fn(usize) + Sync,
+    items: &mut [T],
+    f: impl Fn(&mut T, &Ready) + Sync,
+) {
+    let done = AtomicUsize::new(0);
+    let ready = Ready {
+        done: &done,
+        of: pre_tasks,
+    };
+    let team = LEADING.with(Cell::get);
+    let tasks = pre_tasks + items.len();
+    if team.is_null() || !(2..=MAX_TASKS).contains(&tasks) {
+        (0..pre_tasks).into_par_iter().for_each(&pre);
+        done.store(pre_tasks, Ordering::Release);
+        for_each_mut(items, |item| f(item, &ready));
+        return;
+    }
+    // counted on every way out of a `pre` task, a panic too (the team resumes it at the
+    // region's end), so no item waits forever
+    struct Count<'a>(&'a AtomicUsize);
+    impl Drop for Count<'_> {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+    let base = SendPtr(items.as_mut_ptr());
+    let run = |i: usize| {
+        if i < pre_tasks {
+            let _count = Count(&done);
+            pre(i);
+            return;
+        }
+        let base = &base;
+        // SAFETY: `Team::run` hands out each index in 0..tasks once, so the `&mut` are
+        // disjoint, and returns only after every task has finished.
+        f(unsafe { &mut *base.0.add(i - pre_tasks) }, &ready)
+    };
+    // SAFETY: `LEADING` is set only inside `Team::lead` on this thread, while the team lives.
+    unsafe { (*team).run(tasks, &run) };
 }
 
 struct SendPtr<T>(*mut T);
@@ -391,6 +471,56 @@ mod tests {
             });
             let n = threads.lock().map(|s| s.len()).unwrap_or(0);
             assert!(n >= 2, "lead {lead}: tasks ran on {n} thread(s)");
+        }
+    }
+
+    /// `for_each_mut_after`: every `pre` task runs once and has finished (its write visible)
+    /// whenever an item's `ready.wait()` returns; every item is visited once; with a team on
+    /// a pool of 3 threads and without one, over region sizes and `pre` counts.
+    #[test]
+    fn items_see_every_pre_task_finished() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .expect("pool");
+        for lead in [false, true] {
+            pool.install(|| {
+                let body = || {
+                    for round in 0..200usize {
+                        let pre_tasks = round % 6;
+                        let n = round % 9;
+                        let marks: Vec<AtomicUsize> =
+                            (0..pre_tasks).map(|_| AtomicUsize::new(0)).collect();
+                        let mut items = vec![0usize; n];
+                        for_each_mut_after(
+                            pre_tasks,
+                            |j| {
+                                let t = std::time::Instant::now();
+                                while t.elapsed() < std::time::Duration::from_micros(3) {}
+                                marks[j].fetch_add(1, Ordering::Relaxed);
+                            },
+                            &mut items,
+                            |item, ready| {
+                                ready.wait();
+                                *item += 1 + marks
+                                    .iter()
+                                    .map(|m| m.load(Ordering::Relaxed))
+                                    .sum::<usize>();
+                            },
+                        );
+                        assert!(
+                            items.iter().all(|&v| v == 1 + pre_tasks),
+                            "lead {lead} round {round}: {items:?}"
+                        );
+                        assert!(marks.iter().all(|m| m.load(Ordering::Relaxed) == 1));
+                    }
+                };
+                if lead {
+                    Team::lead(body)
+                } else {
+                    body()
+                }
+            });
         }
     }
 
