@@ -305,7 +305,7 @@ impl Linear {
             // e.g. f32 activations (`exact`): `qmatmul`'s path, with the branch after it
             return false;
         }
-        // per matrix: its branch's index among the region's and its `b` transposed
+        // per matrix: its branch's index among the region's and its `b` in blocks
         let mut second = Vec::with_capacity(ls.len());
         let mut firsts = Vec::new();
         for (l, w) in ls.iter().zip(ws) {
