@@ -9,7 +9,7 @@ use std::time::Instant;
 use candle_core::{Device, Tensor};
 
 use crate::engine::config::Qwen3Config;
-use crate::engine::cpu::team::Ahead;
+use crate::engine::cpu::team::{Ahead, Ready};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::lora::{Adapter, LoraBranch};
 use crate::engine::profile::{self, Part};
@@ -331,8 +331,9 @@ impl Linear {
             return false;
         };
         let pre = |p: usize| halves.piece(p);
-        let then = |i: usize, first: usize, outs: &mut [f32]| {
+        let then = |i: usize, first: usize, outs: &mut [f32], ready: &Ready| {
             if let Some((k, b)) = second[i] {
+                ready.wait();
                 crate::engine::lora::add_b(b, &halves.first_half(k), first, outs);
             }
         };

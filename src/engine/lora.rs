@@ -71,6 +71,9 @@ impl LoraBranch {
         if inp == 0 || !x.len().is_multiple_of(inp) || y.len() != x.len() / inp * out {
             return false;
         }
+        if x.is_empty() || out == 0 {
+            return true; // no rows, or nothing to add to
+        }
         let (a, bb, scale) = (&h.0, &h.1, self.scale as f32);
         if x.len() / inp <= HOST_MAX_ROWS {
             add_host(a, bb, scale, x, inp, y);
@@ -237,7 +240,7 @@ impl<'a> FirstHalves<'a> {
         let (a, scale, at) = self.branches[i];
         let r = a.len() / self.x.len();
         let mut sum = vec![0f32; r];
-        for row in self.sums.chunks_exact(self.width) {
+        for row in self.sums.chunks_exact(self.width.max(1)) {
             for (s, v) in sum.iter_mut().zip(&row[at..at + r]) {
                 *s += f32::from_bits(v.load(Ordering::Relaxed));
             }
@@ -325,6 +328,9 @@ fn project_piece_body(a: &[f32], x: &[f32], out: &mut [f32]) {
 #[inline(always)]
 fn add_b_body(bb: &[f32], c: &[f32], first: usize, y: &mut [f32]) {
     let r = c.len();
+    if r == 0 {
+        return; // a rank-0 branch adds nothing
+    }
     let one = |n: usize| -> f32 {
         let base = (n / LANES) * r * LANES + n % LANES;
         let b = |j: usize| bb[base + j * LANES];
@@ -642,6 +648,25 @@ mod tests {
             assert!(halves.first_half(0).iter().any(|&c| c != 0.0));
         }
         assert!(FirstHalves::new(&[1.0; 10], &[(&[0.0; 25], 1.0)]).is_none());
+    }
+
+    /// A rank-0 branch adds nothing, and no rows is nothing to do: neither panics (the
+    /// blocked `b` and the pieces of `x @ a` are empty there).
+    #[test]
+    fn rank_zero_and_no_rows_add_nothing() {
+        let dev = Device::Cpu;
+        let a = Tensor::zeros((64, 0), DType::F32, &dev).unwrap();
+        let b = Tensor::zeros((0, 20), DType::F32, &dev).unwrap();
+        let br = LoraBranch::new(a, b, 2.0).unwrap();
+        let x: Vec<f32> = (0..64 * 6).map(|i| i as f32).collect();
+        let mut y = vec![1.5f32; 20 * 6];
+        assert!(br.add_rows(&x, &mut y));
+        assert!(y.iter().all(|&v| v == 1.5));
+        assert!(br.add_rows(&[], &mut []));
+        let (ha, _, _) = br.host_parts().unwrap();
+        let halves = FirstHalves::new(&x[..64], &[(ha, 2.0)]).unwrap();
+        (0..halves.pieces()).for_each(|p| halves.piece(p));
+        assert!(halves.first_half(0).is_empty());
     }
 
     /// The CPU loops against candle's `y + scale * ((x @ a) @ b)`: 1, 5 and 37 rows (the last

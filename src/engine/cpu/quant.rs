@@ -233,7 +233,8 @@ pub fn decode_lead_in(ws: &[&QMatrix]) -> team::Ahead {
                 .unwrap_or(&[])
         })
         .collect();
-    // the second task is the one a helper claims first: its range goes first
+    // the second task is the one a helper claims first (after a LoRA region's `pre` tasks,
+    // which `Linear::lead_in` names before these): its range goes first
     starts.reverse();
     team::Ahead::of(&starts)
 }
@@ -722,20 +723,25 @@ pub fn decode_shared_ok(ws: &[&QMatrix], k: usize, kernel: Numerics) -> bool {
             .all(|w| int_ok(w, isa) && w.cols == k && w.params.group_size == w0.params.group_size)
 }
 
+/// What a decode region's task does to its rows before the matmul: `warm(matrix, first row,
+/// outputs)` (prefetches what `Then` will read), on the thread that computes them.
+pub type Warm<'a> = &'a (dyn Fn(usize, usize, &mut [f32]) + Sync);
+
 /// What a decode region's task does to its rows after the matmul: `then(matrix, first row,
-/// outputs)` (a LoRA branch's second half, `lora::add_b`), on the thread that computed them.
-pub type Then<'a> = &'a (dyn Fn(usize, usize, &mut [f32]) + Sync);
+/// outputs, ready)` (a LoRA branch's second half, `lora::add_b`), on the thread that computed
+/// them; it calls `ready.wait()` before it reads what the `pre` tasks wrote (a matrix without
+/// a branch need not wait).
+pub type Then<'a> = &'a (dyn Fn(usize, usize, &mut [f32], &team::Ready) + Sync);
 
 /// Work a decode region does beside the matmul (its LoRA branches): `pre(j)` for `j` in
 /// `0..pre_tasks` (the branches' `x @ a`, a piece of the input each), as the region's first
-/// tasks; `warm` on each task's rows before its matmul (prefetches what `then` reads); and
-/// `then` on them once the matmul is done and every `pre` task has finished
+/// tasks; `warm` on each task's rows before its matmul; `then` on them after it
 /// (`team::for_each_mut_after`).
 #[derive(Clone, Copy)]
 pub struct Extra<'a> {
     pub pre_tasks: usize,
     pub pre: &'a (dyn Fn(usize) + Sync),
-    pub warm: Then<'a>,
+    pub warm: Warm<'a>,
     pub then: Then<'a>,
 }
 
@@ -775,8 +781,7 @@ pub fn qmatvec_shared_into(
         }
         int_task(ws[*i], a, *first, 1, split, isa, outs);
         if let Some(e) = extra {
-            ready.wait();
-            (e.then)(*i, *first, outs);
+            (e.then)(*i, *first, outs, ready);
         }
     });
     true
