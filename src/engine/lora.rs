@@ -155,15 +155,12 @@ pub const PIECE: usize = 1024;
 /// `scale * (x @ a)` for one row `x` (`a` [x.len(), r]): the rank-r vector the second half
 /// (`add_b`) spreads over the outputs.
 pub fn project_a(a: &[f32], scale: f32, x: &[f32]) -> Vec<f32> {
-    let r = a.len() / x.len().max(1);
-    let mut sum = vec![0f32; r];
-    let mut part = vec![0f32; r];
-    for p in 0..x.len().div_ceil(PIECE) {
-        project_piece(a, x, p, &mut part);
-        sum.iter_mut().zip(&part).for_each(|(s, v)| *s += v);
-    }
-    sum.iter_mut().for_each(|s| *s *= scale);
-    sum
+    // one thread's `FirstHalves`: the bits a team's pieces give
+    let Some(h) = FirstHalves::new(x, &[(a, scale)]) else {
+        return vec![0f32; a.len() / x.len().max(1)];
+    };
+    (0..h.pieces()).for_each(|p| h.piece(p));
+    h.first_half(0)
 }
 
 /// `Σ_k x[k] a[k]` over the inputs `k` of piece `p` (`PIECE` of them, fewer in the last),
@@ -281,41 +278,32 @@ unsafe fn add_b_avx2(bb: &[f32], c: &[f32], first: usize, y: &mut [f32]) {
 /// common one, on arrays so the chains stay in registers.
 #[inline(always)]
 fn project_piece_body(a: &[f32], x: &[f32], out: &mut [f32]) {
-    const CHAINS: usize = 4;
-    let r = out.len();
-    if r == 8 {
-        let mut t = [[0f32; 8]; CHAINS];
-        let mut rows = x.iter().zip(a.chunks_exact(8));
-        'rows: loop {
-            for tc in t.iter_mut() {
-                let Some((&xv, ar)) = rows.next() else {
-                    break 'rows;
-                };
-                for (tj, &aj) in tc.iter_mut().zip(ar) {
-                    *tj += xv * aj;
-                }
-            }
-        }
-        let [t0, t1, t2, t3] = t;
-        for (j, o) in out.iter_mut().enumerate() {
-            *o = (t0[j] + t1[j]) + (t2[j] + t3[j]);
-        }
-        return;
+    if out.len() == 8 {
+        return chains(a, x, [[0f32; 8]; 4], out);
     }
-    let mut t = [const { Vec::new() }; CHAINS];
-    t.iter_mut().for_each(|v| v.resize(r, 0f32));
-    let mut rows = x.iter().zip(a.chunks_exact(r.max(1)));
+    chains(
+        a,
+        x,
+        std::array::from_fn::<Vec<f32>, 4, _>(|_| vec![0f32; out.len()]),
+        out,
+    )
+}
+
+/// `project_piece_body`'s four chains, in fixed-size rows (rank 8) or heap ones (any rank).
+#[inline(always)]
+fn chains<T: AsMut<[f32]> + AsRef<[f32]>>(a: &[f32], x: &[f32], mut t: [T; 4], out: &mut [f32]) {
+    let mut rows = x.iter().zip(a.chunks_exact(out.len().max(1)));
     'rows: loop {
         for tc in t.iter_mut() {
             let Some((&xv, ar)) = rows.next() else {
                 break 'rows;
             };
-            for (tj, &aj) in tc.iter_mut().zip(ar) {
+            for (tj, &aj) in tc.as_mut().iter_mut().zip(ar) {
                 *tj += xv * aj;
             }
         }
     }
-    let [t0, t1, t2, t3] = t;
+    let [t0, t1, t2, t3] = t.each_ref().map(|v| v.as_ref());
     for (j, o) in out.iter_mut().enumerate() {
         *o = (t0[j] + t1[j]) + (t2[j] + t3[j]);
     }
