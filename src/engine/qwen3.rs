@@ -14,6 +14,7 @@ use crate::engine::cpu;
 use crate::engine::cpu::attention::{self, Dims, HostKv};
 use crate::engine::cpu::sample::CpuSampler;
 use crate::engine::cpu::team::{self, Ahead};
+use crate::engine::cpu::tile16;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::fused::Fused;
 use crate::engine::layers::{
@@ -577,6 +578,9 @@ impl Qwen3 {
                 model.adopt_metal_step(dev)?;
             }
         }
+        if opts.device.is_cpu() && tile16::wanted(crate::engine::cpu::isa::active()) {
+            model.copy_tiles();
+        }
         if opts.route == QMatmulRoute::Repack {
             let total = model.projections().count() + 1;
             let kept = total - model.repacked_projections();
@@ -588,6 +592,34 @@ impl Qwen3 {
             }
         }
         Ok(model)
+    }
+
+    /// `BOT_CPU_LAYOUT=tile16`: each 4-bit projection's and the head's copy for the decode
+    /// kernel (`cpu::tile16`), noted with what it costs in memory.
+    fn copy_tiles(&mut self) {
+        let head = std::iter::once(&self.lm_head.weight);
+        let quant: Vec<&crate::engine::QMatrix> = self
+            .projections()
+            .chain(head)
+            .filter_map(|w| match w {
+                Weight::Quant(q) => Some(&**q),
+                _ => None,
+            })
+            .collect();
+        let (mut made, mut bytes) = (0, 0);
+        for w in &quant {
+            if let Some(t) = tile16::Tiles::of(w) {
+                bytes += t.nbytes();
+                w.cpu_copy.put(t);
+                made += 1;
+            }
+        }
+        self.notes.push(format!(
+            "{}=tile16: {made} of {} matrices copied 16 rows interleaved for decode ({:.0} MB)",
+            tile16::ENV,
+            quant.len(),
+            bytes as f64 / 1e6
+        ));
     }
 
     /// Notes gathered since the last call (a fallback at load or during a run), for the caller

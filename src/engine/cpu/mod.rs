@@ -12,6 +12,7 @@ pub mod norm;
 pub mod quant;
 pub mod sample;
 pub mod team;
+pub mod tile16;
 pub mod vnni;
 pub mod x86;
 

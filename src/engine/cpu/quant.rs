@@ -20,6 +20,8 @@ use rayon::prelude::*;
 
 use crate::engine::cpu::isa::{self, Isa};
 use crate::engine::cpu::team;
+#[cfg(target_arch = "x86_64")]
+use crate::engine::cpu::tile16;
 use crate::engine::quant::{Numerics, ParamView, QMatrix};
 use crate::engine::weights::Dtype;
 
@@ -163,16 +165,18 @@ const MIN_TASK_BYTES: usize = 256 << 10;
 /// quarter of what is left per worker pair, down to `MIN_TASK_BYTES`, so the last tasks a
 /// region's threads finish on are short and neither waits long for the other.
 fn decode_tasks(rows: usize, row_bytes: usize) -> Vec<usize> {
-    let most = task_rows(rows);
+    // whole 16-row tiles (`tile16`) where the matrices' rows are multiples of 16
+    const ALIGN: usize = 16;
+    let most = task_rows(rows).next_multiple_of(ALIGN);
     let threads = rayon::current_num_threads().max(1);
     let least = (MIN_TASK_BYTES / row_bytes.max(1))
-        .next_multiple_of(8)
-        .clamp(8, most);
+        .next_multiple_of(ALIGN)
+        .clamp(ALIGN, most);
     let mut sizes = Vec::new();
     let mut left = rows;
     while left > 0 {
         let want = (left / (2 * threads))
-            .next_multiple_of(8)
+            .next_multiple_of(ALIGN)
             .clamp(least, most);
         let take = want.min(left);
         sizes.push(take);
@@ -815,7 +819,34 @@ fn int_task(
         };
         // SAFETY: `isa` was detected at run time (or checked by the tests) and the scales
         // and biases are bf16 (`int_ok`); `outs` holds whole rows of this matrix.
-        unsafe { crate::engine::cpu::x86::rows(isa, &rows, a, first, m, split, outs) };
+        let row_kernel = |first: usize, outs: &mut [f32]| unsafe {
+            crate::engine::cpu::x86::rows(isa, &rows, a, first, m, split, outs)
+        };
+        #[cfg(target_arch = "x86_64")]
+        if let (1, true, Some(t)) = (m, isa.avx512(), w.cpu_copy.peek::<tile16::Tiles>()) {
+            // the whole tiles among these rows from the copy, the rows around them as rows
+            let end = first + outs.len();
+            let (t0, t1) = (
+                first.div_ceil(tile16::ROWS),
+                (end / tile16::ROWS).min(t.tiles),
+            );
+            if t0 < t1 {
+                let (head, rest) = outs.split_at_mut(t0 * tile16::ROWS - first);
+                let (mid, tail) = rest.split_at_mut((t1 - t0) * tile16::ROWS);
+                if !head.is_empty() {
+                    row_kernel(first, head);
+                }
+                // SAFETY: AVX-512 VNNI was detected (`isa.avx512()`); `a` is one row of
+                // this matrix's inputs in the halves layout (`ActLayout::for_isa`); `mid`
+                // holds tiles `t0..t1`'s rows.
+                unsafe { tile16::tiles_avx512(t, a, t0..t1, split, mid) };
+                if !tail.is_empty() {
+                    row_kernel(t1 * tile16::ROWS, tail);
+                }
+                return;
+            }
+        }
+        row_kernel(first, outs);
         return;
     }
     for (j, out) in outs.chunks_exact_mut(m).enumerate() {
@@ -1248,7 +1279,8 @@ mod tests {
     }
 
     /// A decode region's tasks cover each row of each matrix once, in order, none past a
-    /// matrix's end; none bigger than `task_rows`, and they shrink toward the end, down to
+    /// matrix's end, each starting at a whole 16-row tile where the matrices' rows allow;
+    /// none bigger than `task_rows` (to a tile), and they shrink toward the end, down to
     /// `MIN_TASK_BYTES` (the 8B shape's q|k|v, down and head, and a small odd one).
     #[test]
     fn decode_tasks_cover_every_row_and_end_short() {
@@ -1262,6 +1294,7 @@ mod tests {
                 (vec![4096], 12288),
                 (vec![151936], 4096),
                 (vec![8, 20, 20], 64),
+                (vec![1024, 48, 32], 1024),
             ] {
                 let ws: Vec<QMatrix> = rows
                     .iter()
@@ -1275,11 +1308,15 @@ mod tests {
                     assert!(i >= last, "{rows:?}: matrix {i} after {last}");
                     assert_eq!(first, next[i], "{rows:?}: a gap or overlap in matrix {i}");
                     assert!(n > 0 && first + n <= rows[i], "{rows:?}: task {first}+{n}");
-                    assert!(n <= task_rows(rows.iter().sum()), "{rows:?}: {n} rows");
+                    let most = task_rows(rows.iter().sum()).next_multiple_of(16);
+                    assert!(n <= most, "{rows:?}: {n} rows");
+                    if rows.iter().all(|r| r % 16 == 0) {
+                        assert_eq!(first % 16, 0, "{rows:?}: task at {first} splits a tile");
+                    }
                     (next[i], last) = (first + n, i);
                 }
                 assert_eq!(next, rows, "{rows:?}: not every row");
-                let least = (MIN_TASK_BYTES / (k / 2)).next_multiple_of(8).max(8);
+                let least = (MIN_TASK_BYTES / (k / 2)).next_multiple_of(16).max(16);
                 let (_, _, tail) = tasks[tasks.len() - 1];
                 assert!(tail <= least, "{rows:?}: the last task has {tail} rows");
             }

@@ -98,6 +98,9 @@ pub struct QMatrix {
     pub biases: GroupParams,
     /// Copies on accelerators, made on first use there.
     pub device_copy: DeviceCopy,
+    /// A copy in another layout for the CPU's decode kernel (`cpu::tile16`), made at load
+    /// where that kernel runs.
+    pub cpu_copy: DeviceCopy,
 }
 
 /// A matrix's copy on the accelerator it runs on, made by that backend on first use (a
@@ -118,6 +121,16 @@ impl DeviceCopy {
         }
         let made: Arc<dyn Any + Send + Sync> = Arc::new(make()?);
         Ok(self.0.get_or_init(|| made).clone().downcast::<T>().ok())
+    }
+
+    /// The copy, if one of type `T` was made.
+    pub(crate) fn peek<T: Any>(&self) -> Option<&T> {
+        self.0.get()?.downcast_ref::<T>()
+    }
+
+    /// Keeps `copy` unless one is there already.
+    pub(crate) fn put<T: Any + Send + Sync>(&self, copy: T) {
+        let _ = self.0.set(Arc::new(copy));
     }
 }
 
@@ -202,6 +215,7 @@ impl QMatrix {
                 bytes: biases.bytes,
             },
             device_copy: DeviceCopy::default(),
+            cpu_copy: DeviceCopy::default(),
         })
     }
 
@@ -364,6 +378,7 @@ pub mod random {
                 bytes: Bytes::from_vec(biases),
             },
             device_copy: DeviceCopy::default(),
+            cpu_copy: DeviceCopy::default(),
         }
     }
 }

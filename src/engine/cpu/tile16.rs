@@ -1,0 +1,358 @@
+//! A decode copy of a 4-bit matrix with its rows 16 at a time interleaved a 32-bit word at a
+//! time (`BOT_CPU_LAYOUT=tile16`, opt-in, AVX-512 VNNI), and the matvec that reads it.
+//!
+//! MLX stores each row's codes, scales and biases apart: the row kernels of `x86.rs` sum one
+//! row per vector and reduce it across lanes at the end, and read six streams a pair of rows.
+//! Here one 64-byte load holds the same word (8 codes) of 16 rows, so a `vpdpbusd`'s 16 lanes
+//! are 16 rows against one broadcast dword of activations: no reduction, no scale shuffle, and
+//! each (tile, group) is one contiguous piece with its scales and biases after its codes, so a
+//! task reads one sequential stream. The idea is llama.cpp's repacked CPU layouts
+//! (`ggml-cpu/repack.cpp`); the arithmetic is `x86.rs`'s (15-bit activations as 8-bit halves,
+//! exact i32 sums per 32-value block, then `s_g · d_b` in f32), so only the f32 additions'
+//! order differs from the row kernels. The fifteenth session's probe (docs/performance.md)
+//! measured this layout at about the 8-bit kernel's rate on the Xeon where the row layout lost
+//! 5-15% of the stream to its arithmetic.
+//!
+//! The copy is made at load in anonymous memory (2 MiB pages): the prompt kernels and the
+//! embedding keep reading the mapped file, so both are resident. Rows past the last whole tile
+//! run the row kernel.
+
+use crate::engine::cpu::isa::Isa;
+use crate::engine::cpu::quant::IntActs;
+use crate::engine::quant::QMatrix;
+use crate::engine::resident::{Frozen, HugeBuf};
+use crate::engine::weights::Dtype;
+
+/// Rows a tile interleaves: one per i32 lane of a 512-bit vector.
+pub const ROWS: usize = 16;
+
+/// The environment variable that turns the copy on (`tile16`); anything else, or unset, keeps
+/// the row layout alone.
+pub const ENV: &str = "BOT_CPU_LAYOUT";
+
+/// Whether the CPU engine makes tile copies at load (`BOT_CPU_LAYOUT=tile16`) for `isa`:
+/// only the AVX-512 kernel reads them.
+pub fn wanted(isa: Isa) -> bool {
+    isa.avx512() && std::env::var(ENV).is_ok_and(|v| v.eq_ignore_ascii_case("tile16"))
+}
+
+/// A matrix's whole tiles (rows `0..tiles * 16`) in the interleaved layout. Tile `t`, group
+/// `g` starts at `(t * gpr + g) * group_bytes`: word `w` of the group's codes for rows
+/// `16t..16t + 16` (64 bytes: row `16t + r`'s word at `4r`), for each of the group's `gs / 8`
+/// words, then the 16 rows' bf16 scales (32 bytes) and bf16 biases (32 bytes).
+pub struct Tiles {
+    bytes: Frozen,
+    pub tiles: usize,
+    pub gpr: usize,
+    /// log2(group size / 32): 0, 1 or 2.
+    pub gshift: usize,
+}
+
+impl Tiles {
+    /// Bytes of one (tile, group): its codes, then 64 bytes of scales and biases.
+    pub fn group_bytes(&self) -> usize {
+        group_bytes(self.gshift)
+    }
+
+    /// The copy's size in bytes.
+    pub fn nbytes(&self) -> usize {
+        self.bytes.as_ref().len()
+    }
+
+    /// Tile `t`'s bytes (all its groups).
+    pub fn tile(&self, t: usize) -> &[u8] {
+        let n = self.gpr * self.group_bytes();
+        &self.bytes.as_ref()[t * n..(t + 1) * n]
+    }
+
+    /// The copy of `w`, or `None` where the kernel does not take it (not 4-bit, groups other
+    /// than 32/64/128, scales or biases not bf16, fewer than 16 rows) or memory for it is
+    /// refused.
+    pub fn of(w: &QMatrix) -> Option<Tiles> {
+        use rayon::prelude::*;
+        let gs = w.params.group_size;
+        let ok = w.params.bits == 4
+            && matches!(gs, 32 | 64 | 128)
+            && w.scales.dtype == Dtype::BF16
+            && w.biases.dtype == Dtype::BF16
+            && w.rows >= ROWS;
+        if !ok {
+            return None;
+        }
+        let (tiles, gpr) = (w.rows / ROWS, w.cols / gs);
+        let gshift = (gs / 32).trailing_zeros() as usize;
+        let gb = group_bytes(gshift);
+        let mut buf = HugeBuf::zeroed(tiles * gpr * gb).ok()?;
+        let (packed, scales, biases) = (&w.packed[..], &w.scales.bytes[..], &w.biases.bytes[..]);
+        let (row_bytes, words) = (w.cols / 2, gs / 8);
+        buf.par_chunks_mut(gpr * gb)
+            .enumerate()
+            .for_each(|(t, tile)| {
+                for (g, piece) in tile.chunks_exact_mut(gb).enumerate() {
+                    let (codes, sb) = piece.split_at_mut(words * 64);
+                    for r in 0..ROWS {
+                        let n = t * ROWS + r;
+                        let src = &packed[n * row_bytes + g * words * 4..][..words * 4];
+                        for (wd, word) in src.chunks_exact(4).enumerate() {
+                            codes[wd * 64 + 4 * r..][..4].copy_from_slice(word);
+                        }
+                        let at = 2 * (n * gpr + g);
+                        sb[2 * r..2 * r + 2].copy_from_slice(&scales[at..at + 2]);
+                        sb[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&biases[at..at + 2]);
+                    }
+                }
+            });
+        Some(Tiles {
+            bytes: buf.freeze().ok()?,
+            tiles,
+            gpr,
+            gshift,
+        })
+    }
+}
+
+fn group_bytes(gshift: usize) -> usize {
+    // (32 << gshift) / 8 words of 16 rows, 4 bytes each; 64 bytes of scales and biases
+    ((4 << gshift) + 1) * 64
+}
+
+/// Tile `t`'s 16 outputs against activation row 0 of `a`, without SIMD: the definition the
+/// AVX-512 kernel reproduces bit for bit (the same integer sums, the same f32 operations in
+/// the same order).
+pub fn tile_scalar(w: &Tiles, a: &IntActs, t: usize, out: &mut [f32]) {
+    let tile = w.tile(t);
+    let (gb, bpg) = (w.group_bytes(), 1 << w.gshift);
+    let bf16 = |b: &[u8], i: usize| crate::engine::cpu::quant::bf16_at(b, i);
+    for (r, o) in out.iter_mut().enumerate().take(ROWS) {
+        let (mut acc, mut accb) = (0f32, 0f32);
+        for g in 0..w.gpr {
+            let piece = &tile[g * gb..(g + 1) * gb];
+            let sb = &piece[gb - 64..];
+            let (s, bias) = (bf16(sb, r), bf16(&sb[32..], r));
+            accb = bias.mul_add(a.gsum[g], accb);
+            for blk in 0..bpg {
+                let b = g * bpg + blk;
+                let mut isum = 0i32;
+                for wd in 0..4 {
+                    let word = &piece[(blk * 4 + wd) * 64 + 4 * r..][..4];
+                    for (j, &byte) in word.iter().enumerate() {
+                        let pos = 8 * wd + 2 * j;
+                        isum += (byte & 15) as i32 * a.code(0, b, pos);
+                        isum += (byte >> 4) as i32 * a.code(0, b, pos + 1);
+                    }
+                }
+                acc = (isum as f32).mul_add(s * a.d[b], acc);
+            }
+        }
+        *o = acc + accb;
+    }
+}
+
+/// Tiles `tiles` of `w` against activation row 0 of `a` (halves layout, 15-bit with `split`),
+/// 16 outputs a tile into `outs`.
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL and VNNI; `a` holds one row of `w`'s inputs in the halves
+/// layout; `outs` holds `16 * tiles.len()` values.
+#[cfg(target_arch = "x86_64")]
+pub unsafe fn tiles_avx512(
+    w: &Tiles,
+    a: &IntActs,
+    tiles: std::ops::Range<usize>,
+    split: bool,
+    outs: &mut [f32],
+) {
+    debug_assert_eq!(outs.len(), ROWS * tiles.len());
+    match (split, w.gshift) {
+        (true, 0) => simd::run::<true, 0>(w, a, tiles, outs),
+        (true, 1) => simd::run::<true, 1>(w, a, tiles, outs),
+        (true, _) => simd::run::<true, 2>(w, a, tiles, outs),
+        (false, 0) => simd::run::<false, 0>(w, a, tiles, outs),
+        (false, 1) => simd::run::<false, 1>(w, a, tiles, outs),
+        (false, _) => simd::run::<false, 2>(w, a, tiles, outs),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    use super::{IntActs, Tiles, ROWS};
+
+    /// How far ahead of the codes being read a task prefetches (one stream, T1 hint: the
+    /// row kernels' reasons, `x86.rs`).
+    const PFD: usize = 4096;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    pub(super) unsafe fn run<const SPLIT: bool, const G: usize>(
+        w: &Tiles,
+        a: &IntActs,
+        tiles: std::ops::Range<usize>,
+        outs: &mut [f32],
+    ) {
+        let mask = _mm512_set1_epi8(0x0f);
+        let gb = w.group_bytes();
+        let codes = (4 << G) * 64;
+        // one dword of activation codes (4 values) at byte `off` of a halves vector
+        let dw = |v: &Vec<i8>, off: usize| {
+            _mm512_set1_epi32((v.as_ptr().add(off) as *const i32).read_unaligned())
+        };
+        for (t, out) in tiles.zip(outs.chunks_exact_mut(ROWS)) {
+            let base = w.tile(t).as_ptr();
+            let mut acc = _mm512_setzero_ps();
+            let mut accb = _mm512_setzero_ps();
+            for g in 0..w.gpr {
+                let p = base.add(g * gb);
+                let bf = |q: *const u8| {
+                    _mm512_castsi512_ps(_mm512_slli_epi32(
+                        _mm512_cvtepu16_epi32(_mm256_loadu_si256(q as *const __m256i)),
+                        16,
+                    ))
+                };
+                let (s, bias) = (bf(p.add(codes)), bf(p.add(codes + 32)));
+                accb = _mm512_fmadd_ps(bias, _mm512_set1_ps(a.gsum[g]), accb);
+                for blk in 0..1 << G {
+                    let b = (g << G) + blk;
+                    let mut lo = _mm512_setzero_si512();
+                    let mut hi = _mm512_setzero_si512();
+                    for wd in 0..4 {
+                        let q = p.add((blk * 4 + wd) * 64);
+                        // a hint: an address past the copy does not fault
+                        _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(PFD) as *const i8);
+                        let v = _mm512_loadu_si512(q as *const _);
+                        let cl = _mm512_and_si512(v, mask);
+                        let ch = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+                        let off = b * 16 + 4 * wd;
+                        lo = _mm512_dpbusd_epi32(lo, cl, dw(&a.el, off));
+                        lo = _mm512_dpbusd_epi32(lo, ch, dw(&a.ol, off));
+                        if SPLIT {
+                            hi = _mm512_dpbusd_epi32(hi, cl, dw(&a.eh, off));
+                            hi = _mm512_dpbusd_epi32(hi, ch, dw(&a.oh, off));
+                        }
+                    }
+                    let isum = if SPLIT {
+                        _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 7))
+                    } else {
+                        lo
+                    };
+                    let sd = _mm512_mul_ps(s, _mm512_set1_ps(a.d[b]));
+                    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sd, acc);
+                }
+            }
+            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(acc, accb));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::cpu::isa;
+    use crate::engine::cpu::quant::{int_q4_scalar, ActLayout};
+    use crate::engine::quant::testutil::random_qmatrix;
+
+    fn rand_x(k: usize, seed: u64) -> Vec<f32> {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..k).map(|_| rng.random_range(-2.0f32..2.0)).collect()
+    }
+
+    /// The copy holds every code, scale and bias where the layout says: the scalar tile
+    /// kernel over it equals the row kernels' scalar definition up to f32 rounding (1e-5 of
+    /// the largest output), for each group size and activation width; and the AVX-512 kernel
+    /// equals the scalar tile kernel bit for bit where the CPU has it.
+    #[test]
+    fn tiles_match_the_row_definition_and_avx512_matches_scalar() {
+        let avx512 = isa::Isa::Avx512Vnni.supported();
+        if !avx512 {
+            eprintln!("tile16: no AVX-512 VNNI on this CPU, only the scalar tile kernel tested");
+        }
+        for (gs, k, rows) in [(32, 96, 16), (64, 1024, 48), (128, 640, 40), (64, 448, 35)] {
+            let w = random_qmatrix(rows, k, 4, gs, Dtype::BF16, k as u64 + rows as u64);
+            let tiles = Tiles::of(&w).expect("a 4-bit bf16 matrix of 16 rows or more");
+            assert_eq!(tiles.tiles, rows / ROWS);
+            let x = rand_x(k, 3);
+            for split in [true, false] {
+                let a = IntActs::new(&x, 1, k, gs, split, ActLayout::Halves);
+                let want = int_q4_scalar(&w, &x, 1, split);
+                let big = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let mut got = vec![0f32; tiles.tiles * ROWS];
+                for (t, out) in got.chunks_exact_mut(ROWS).enumerate() {
+                    tile_scalar(&tiles, &a, t, out);
+                }
+                for (n, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - w).abs() <= 1e-5 * big,
+                        "gs {gs} k {k} split {split} row {n}: {g} vs {w}"
+                    );
+                }
+                #[cfg(target_arch = "x86_64")]
+                if avx512 {
+                    let mut simd = vec![f32::NAN; got.len()];
+                    // SAFETY: the CPU has AVX-512 VNNI (checked above); `a` is one row of
+                    // `k` inputs in the halves layout; `simd` holds every tile's outputs.
+                    unsafe { tiles_avx512(&tiles, &a, 0..tiles.tiles, split, &mut simd) };
+                    for (n, (s, g)) in simd.iter().zip(&got).enumerate() {
+                        assert_eq!(s.to_bits(), g.to_bits(), "gs {gs} split {split} row {n}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Through the decode matvec (`qmatvec_shared`, two threads, so tasks split the
+    /// matrices): with the copies, each whole tile's rows are `tile_scalar`'s bits where the
+    /// active instruction set is AVX-512 (and the row kernel's elsewhere), and the rows past
+    /// the last tile (24 rows: 8) the row kernel's bits either way. (The tasks start at whole
+    /// tiles when every matrix before has whole tiles, as Qwen3's all do; elsewhere rows
+    /// around a task's tiles run the row kernel.)
+    #[test]
+    fn the_decode_matvec_reads_the_copy_for_whole_tiles() {
+        use crate::engine::cpu::quant::qmatvec_shared;
+        use crate::engine::quant::Numerics;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("pool");
+        let k = 1024;
+        let ws: Vec<QMatrix> = [48, 1024, 24]
+            .iter()
+            .map(|&r| random_qmatrix(r, k, 4, 64, Dtype::BF16, r as u64))
+            .collect();
+        let refs: Vec<&QMatrix> = ws.iter().collect();
+        let x = rand_x(k, 9);
+        let rows = pool
+            .install(|| qmatvec_shared(&refs, &x, Numerics::Fast))
+            .expect("the integer kernel takes these");
+        for w in &ws {
+            w.cpu_copy.put(Tiles::of(w).expect("a copy"));
+        }
+        let tiled = pool
+            .install(|| qmatvec_shared(&refs, &x, Numerics::Fast))
+            .expect("the integer kernel takes these");
+        let on = isa::active().avx512();
+        eprintln!("tile16 through qmatvec_shared: active {:?}", isa::active());
+        let a = IntActs::new(&x, 1, k, 64, true, ActLayout::Halves);
+        for (w, (r, t)) in ws.iter().zip(rows.iter().zip(&tiled)) {
+            let copy = w.cpu_copy.peek::<Tiles>().expect("put above");
+            let mut want = r.clone();
+            if on {
+                for (tile, out) in want.chunks_exact_mut(ROWS).enumerate() {
+                    tile_scalar(copy, &a, tile, out);
+                }
+            }
+            for (n, (g, e)) in t.iter().zip(&want).enumerate() {
+                assert_eq!(g.to_bits(), e.to_bits(), "{} rows, row {n}", w.rows);
+            }
+        }
+    }
+
+    /// Matrices the kernel does not take get no copy.
+    #[test]
+    fn no_copy_where_the_kernel_does_not_apply() {
+        assert!(Tiles::of(&random_qmatrix(15, 64, 4, 64, Dtype::BF16, 1)).is_none());
+        assert!(Tiles::of(&random_qmatrix(32, 64, 4, 64, Dtype::F16, 1)).is_none());
+        assert!(Tiles::of(&random_qmatrix(32, 64, 8, 64, Dtype::BF16, 1)).is_none());
+        assert!(Tiles::of(&random_qmatrix(32, 512, 4, 256, Dtype::BF16, 1)).is_none());
+    }
+}
