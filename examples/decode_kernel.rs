@@ -2,7 +2,11 @@
 //! matrix kinds, in G weights/s: the kernel alone, for A/B of kernel changes on one machine.
 //! `bot bench` stays the measure of what users run.
 //!
-//!   cargo run --release --example decode_kernel [fast|int8] [rounds] [threads]
+//!   cargo run --release --example decode_kernel [fast|int8] [rounds] [threads] [rows|tile16]
+//!
+//! `tile16` gives each matrix its decode copy 16 rows interleaved (`cpu::tile16`, read on
+//! AVX-512 VNNI); the first shape (256x1024, 128 KiB of codes) stays in L2: the kernel's
+//! arithmetic rather than the memory's rate.
 use std::time::Instant;
 
 use bot::engine::quant::{random, Numerics};
@@ -16,12 +20,16 @@ fn main() {
     };
     let rounds: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(5).max(1);
     let threads: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(1);
+    let tiles = args.next().as_deref() == Some("tile16");
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
         .expect("pool");
-    for (rows, cols) in [(3072, 1024), (1024, 3072), (151936, 1024)] {
+    for (rows, cols) in [(256, 1024), (3072, 1024), (1024, 3072), (151936, 1024)] {
         let w = random::qmatrix(rows, cols, 4, 64, Dtype::BF16, 7);
+        if tiles && bot::engine::cpu::tile16::attach(&w).is_none() {
+            eprintln!("{rows}x{cols}: no tile16 copy for this matrix");
+        }
         let x: Vec<f32> = (0..cols)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
             .collect();

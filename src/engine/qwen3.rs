@@ -608,9 +608,8 @@ impl Qwen3 {
             .collect();
         let (mut made, mut bytes) = (0, 0);
         for w in &quant {
-            if let Some(t) = tile16::Tiles::of(w) {
-                bytes += t.nbytes();
-                w.cpu_copy.put(t);
+            if let Some(n) = tile16::attach(w) {
+                bytes += n;
                 made += 1;
             }
         }

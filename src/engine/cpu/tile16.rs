@@ -111,6 +111,15 @@ impl Tiles {
     }
 }
 
+/// Makes `w`'s copy and keeps it with the matrix, where the kernel takes it: its size in
+/// bytes, or `None`.
+pub fn attach(w: &QMatrix) -> Option<usize> {
+    let t = Tiles::of(w)?;
+    let n = t.nbytes();
+    w.cpu_copy.put(t);
+    Some(n)
+}
+
 fn group_bytes(gshift: usize) -> usize {
     // (32 << gshift) / 8 words of 16 rows, 4 bytes each; 64 bytes of scales and biases
     ((4 << gshift) + 1) * 64
@@ -193,10 +202,17 @@ mod simd {
         let mask = _mm512_set1_epi8(0x0f);
         let gb = w.group_bytes();
         let codes = (4 << G) * 64;
-        // one dword of activation codes (4 values) at byte `off` of a halves vector
-        let dw = |v: &Vec<i8>, off: usize| {
-            _mm512_set1_epi32((v.as_ptr().add(off) as *const i32).read_unaligned())
+        // one dword of activation codes (4 values) at byte `off` of a halves vector, in every
+        // lane: a float broadcast from memory is a load alone (an integer one from a
+        // register was a load and a shuffle, the way the compiler wrote `set1`)
+        let dw = |v: *const i8, off: usize| {
+            _mm512_castps_si512(_mm512_set1_ps((v.add(off) as *const f32).read_unaligned()))
         };
+        let (el, ol, eh, oh) = (a.el.as_ptr(), a.ol.as_ptr(), a.eh.as_ptr(), a.oh.as_ptr());
+        // one row's activations: `nb` block scales and `gpr` group sums
+        assert!(a.d.len() >= w.gpr << G && a.gsum.len() >= w.gpr);
+        assert!(a.el.len() >= (w.gpr << G) * 16 && (!SPLIT || a.eh.len() >= (w.gpr << G) * 16));
+        let (dp, gp) = (a.d.as_ptr(), a.gsum.as_ptr());
         for (t, out) in tiles.zip(outs.chunks_exact_mut(ROWS)) {
             let base = w.tile(t).as_ptr();
             let mut acc = _mm512_setzero_ps();
@@ -210,11 +226,12 @@ mod simd {
                     ))
                 };
                 let (s, bias) = (bf(p.add(codes)), bf(p.add(codes + 32)));
-                accb = _mm512_fmadd_ps(bias, _mm512_set1_ps(a.gsum[g]), accb);
+                accb = _mm512_fmadd_ps(bias, _mm512_set1_ps(*gp.add(g)), accb);
                 for blk in 0..1 << G {
                     let b = (g << G) + blk;
-                    let mut lo = _mm512_setzero_si512();
-                    let mut hi = _mm512_setzero_si512();
+                    // four sums (even and odd codes, low and high activation parts), so
+                    // no `vpdpbusd` waits on the one before it in the block
+                    let mut c = [_mm512_setzero_si512(); 4];
                     for wd in 0..4 {
                         let q = p.add((blk * 4 + wd) * 64);
                         // a hint: an address past the copy does not fault
@@ -223,19 +240,20 @@ mod simd {
                         let cl = _mm512_and_si512(v, mask);
                         let ch = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
                         let off = b * 16 + 4 * wd;
-                        lo = _mm512_dpbusd_epi32(lo, cl, dw(&a.el, off));
-                        lo = _mm512_dpbusd_epi32(lo, ch, dw(&a.ol, off));
+                        c[0] = _mm512_dpbusd_epi32(c[0], cl, dw(el, off));
+                        c[1] = _mm512_dpbusd_epi32(c[1], ch, dw(ol, off));
                         if SPLIT {
-                            hi = _mm512_dpbusd_epi32(hi, cl, dw(&a.eh, off));
-                            hi = _mm512_dpbusd_epi32(hi, ch, dw(&a.oh, off));
+                            c[2] = _mm512_dpbusd_epi32(c[2], cl, dw(eh, off));
+                            c[3] = _mm512_dpbusd_epi32(c[3], ch, dw(oh, off));
                         }
                     }
+                    let lo = _mm512_add_epi32(c[0], c[1]);
                     let isum = if SPLIT {
-                        _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 7))
+                        _mm512_add_epi32(lo, _mm512_slli_epi32(_mm512_add_epi32(c[2], c[3]), 7))
                     } else {
                         lo
                     };
-                    let sd = _mm512_mul_ps(s, _mm512_set1_ps(a.d[b]));
+                    let sd = _mm512_mul_ps(s, _mm512_set1_ps(*dp.add(b)));
                     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sd, acc);
                 }
             }
