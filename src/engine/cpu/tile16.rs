@@ -192,6 +192,10 @@ mod simd {
     /// row kernels' reasons, `x86.rs`).
     const PFD: usize = 4096;
 
+    /// A task's tiles, two at a time: tile `i` of its first half with tile `i` of its
+    /// second, so the task reads two sequential streams (as the row kernels' pairs do,
+    /// `x86.rs`): one stream alone is held to what the hardware prefetchers keep in flight
+    /// for it.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
     pub(super) unsafe fn run<const SPLIT: bool, const G: usize>(
         w: &Tiles,
@@ -199,6 +203,37 @@ mod simd {
         tiles: std::ops::Range<usize>,
         outs: &mut [f32],
     ) {
+        // one row's activations: `nb` block scales and `gpr` group sums, `nb` blocks of codes
+        let nb = w.gpr << G;
+        assert!(a.d.len() >= nb && a.gsum.len() >= w.gpr && a.el.len() >= nb * 16);
+        assert!(a.ol.len() >= nb * 16 && (!SPLIT || a.eh.len().min(a.oh.len()) >= nb * 16));
+        let (t0, n) = (tiles.start, tiles.len());
+        let h = n / 2;
+        let (first, second) = outs.split_at_mut(h * ROWS);
+        for (i, (o0, o1)) in first
+            .chunks_exact_mut(ROWS)
+            .zip(second.chunks_exact_mut(ROWS))
+            .enumerate()
+        {
+            let [y0, y1] = tiles_at::<SPLIT, G, 2>(w, a, [t0 + i, t0 + h + i]);
+            _mm512_storeu_ps(o0.as_mut_ptr(), y0);
+            _mm512_storeu_ps(o1.as_mut_ptr(), y1);
+        }
+        if n % 2 == 1 {
+            let [y] = tiles_at::<SPLIT, G, 1>(w, a, [t0 + n - 1]);
+            _mm512_storeu_ps(outs[(n - 1) * ROWS..].as_mut_ptr(), y);
+        }
+    }
+
+    /// The 16 outputs of each of `P` tiles, their loads interleaved word by word. Per tile
+    /// the same operations in the same order as `tile_scalar`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    #[inline]
+    unsafe fn tiles_at<const SPLIT: bool, const G: usize, const P: usize>(
+        w: &Tiles,
+        a: &IntActs,
+        ts: [usize; P],
+    ) -> [__m512; P] {
         let mask = _mm512_set1_epi8(0x0f);
         let gb = w.group_bytes();
         let codes = (4 << G) * 64;
@@ -209,56 +244,76 @@ mod simd {
             _mm512_castps_si512(_mm512_set1_ps((v.add(off) as *const f32).read_unaligned()))
         };
         let (el, ol, eh, oh) = (a.el.as_ptr(), a.ol.as_ptr(), a.eh.as_ptr(), a.oh.as_ptr());
-        // one row's activations: `nb` block scales and `gpr` group sums
-        assert!(a.d.len() >= w.gpr << G && a.gsum.len() >= w.gpr);
-        assert!(a.el.len() >= (w.gpr << G) * 16 && (!SPLIT || a.eh.len() >= (w.gpr << G) * 16));
         let (dp, gp) = (a.d.as_ptr(), a.gsum.as_ptr());
-        for (t, out) in tiles.zip(outs.chunks_exact_mut(ROWS)) {
-            let base = w.tile(t).as_ptr();
-            let mut acc = _mm512_setzero_ps();
-            let mut accb = _mm512_setzero_ps();
-            for g in 0..w.gpr {
-                let p = base.add(g * gb);
-                let bf = |q: *const u8| {
-                    _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm256_loadu_si256(q as *const __m256i)),
-                        16,
-                    ))
-                };
-                let (s, bias) = (bf(p.add(codes)), bf(p.add(codes + 32)));
-                accb = _mm512_fmadd_ps(bias, _mm512_set1_ps(*gp.add(g)), accb);
-                for blk in 0..1 << G {
-                    let b = (g << G) + blk;
-                    // four sums (even and odd codes, low and high activation parts), so
-                    // no `vpdpbusd` waits on the one before it in the block
-                    let mut c = [_mm512_setzero_si512(); 4];
-                    for wd in 0..4 {
-                        let q = p.add((blk * 4 + wd) * 64);
+        let bf = |q: *const u8| {
+            _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256(q as *const __m256i)),
+                16,
+            ))
+        };
+        let base = ts.map(|t| w.tile(t).as_ptr());
+        let mut acc = [_mm512_setzero_ps(); P];
+        let mut accb = [_mm512_setzero_ps(); P];
+        for g in 0..w.gpr {
+            let p = base.map(|b| b.add(g * gb));
+            let gsum = _mm512_set1_ps(*gp.add(g));
+            let mut s = [_mm512_setzero_ps(); P];
+            for j in 0..P {
+                s[j] = bf(p[j].add(codes));
+                accb[j] = _mm512_fmadd_ps(bf(p[j].add(codes + 32)), gsum, accb[j]);
+            }
+            for blk in 0..1 << G {
+                let b = (g << G) + blk;
+                // four sums a tile (even and odd codes, low and high activation parts), so
+                // no `vpdpbusd` waits on the one before it in the block
+                let mut c = [[_mm512_setzero_si512(); 4]; P];
+                for wd in 0..4 {
+                    let off = b * 16 + 4 * wd;
+                    let x = if SPLIT {
+                        [dw(el, off), dw(ol, off), dw(eh, off), dw(oh, off)]
+                    } else {
+                        // (`eh`, `oh` are empty with 8-bit activations)
+                        [
+                            dw(el, off),
+                            dw(ol, off),
+                            _mm512_setzero_si512(),
+                            _mm512_setzero_si512(),
+                        ]
+                    };
+                    for j in 0..P {
+                        let q = p[j].add((blk * 4 + wd) * 64);
                         // a hint: an address past the copy does not fault
                         _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(PFD) as *const i8);
                         let v = _mm512_loadu_si512(q as *const _);
                         let cl = _mm512_and_si512(v, mask);
                         let ch = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-                        let off = b * 16 + 4 * wd;
-                        c[0] = _mm512_dpbusd_epi32(c[0], cl, dw(el, off));
-                        c[1] = _mm512_dpbusd_epi32(c[1], ch, dw(ol, off));
+                        c[j][0] = _mm512_dpbusd_epi32(c[j][0], cl, x[0]);
+                        c[j][1] = _mm512_dpbusd_epi32(c[j][1], ch, x[1]);
                         if SPLIT {
-                            c[2] = _mm512_dpbusd_epi32(c[2], cl, dw(eh, off));
-                            c[3] = _mm512_dpbusd_epi32(c[3], ch, dw(oh, off));
+                            c[j][2] = _mm512_dpbusd_epi32(c[j][2], cl, x[2]);
+                            c[j][3] = _mm512_dpbusd_epi32(c[j][3], ch, x[3]);
                         }
                     }
-                    let lo = _mm512_add_epi32(c[0], c[1]);
+                }
+                let d = _mm512_set1_ps(*dp.add(b));
+                for j in 0..P {
+                    let lo = _mm512_add_epi32(c[j][0], c[j][1]);
                     let isum = if SPLIT {
-                        _mm512_add_epi32(lo, _mm512_slli_epi32(_mm512_add_epi32(c[2], c[3]), 7))
+                        let hi = _mm512_add_epi32(c[j][2], c[j][3]);
+                        _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 7))
                     } else {
                         lo
                     };
-                    let sd = _mm512_mul_ps(s, _mm512_set1_ps(*dp.add(b)));
-                    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sd, acc);
+                    let sd = _mm512_mul_ps(s[j], d);
+                    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sd, acc[j]);
                 }
             }
-            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(acc, accb));
         }
+        let mut y = acc;
+        for j in 0..P {
+            y[j] = _mm512_add_ps(acc[j], accb[j]);
+        }
+        y
     }
 }
 
