@@ -97,6 +97,9 @@ pub fn run(config: Option<&Path>, profile: Option<&str>) -> anyhow::Result<()> {
         },
     );
     line("cpu weights", crate::engine::resident::describe_cpu());
+    if let Ok(isa) = crate::engine::cpu::isa::check_env() {
+        line("cpu decode", crate::engine::cpu::tile16::describe(isa));
+    }
     line(
         "threads",
         std::thread::available_parallelism().map_or(1, |n| n.get()),

@@ -579,7 +579,7 @@ impl Qwen3 {
             }
         }
         if opts.device.is_cpu() && tile16::wanted(crate::engine::cpu::isa::active()) {
-            model.copy_tiles();
+            model.copy_tiles(store);
         }
         if opts.route == QMatmulRoute::Repack {
             let total = model.projections().count() + 1;
@@ -594,9 +594,9 @@ impl Qwen3 {
         Ok(model)
     }
 
-    /// `BOT_CPU_LAYOUT=tile16`: each 4-bit projection's and the head's copy for the decode
-    /// kernel (`cpu::tile16`), noted with what it costs in memory.
-    fn copy_tiles(&mut self) {
+    /// Each 4-bit projection's and the head's copy for the CPU decode kernel
+    /// (`cpu::tile16`: mapped from its cache, or made now and kept there).
+    fn copy_tiles(&mut self, store: &WeightStore) {
         let head = std::iter::once(&self.lm_head.weight);
         let quant: Vec<&crate::engine::QMatrix> = self
             .projections()
@@ -606,19 +606,9 @@ impl Qwen3 {
                 _ => None,
             })
             .collect();
-        let (mut made, mut bytes) = (0, 0);
-        for w in &quant {
-            if let Some(n) = tile16::attach(w) {
-                bytes += n;
-                made += 1;
-            }
-        }
-        self.notes.push(format!(
-            "{}=tile16: {made} of {} matrices copied 16 rows interleaved for decode ({:.0} MB)",
-            tile16::ENV,
-            quant.len(),
-            bytes as f64 / 1e6
-        ));
+        let files = store.file_paths();
+        let notes = tile16::prepare(&quant, &files, &store.dir);
+        self.notes.extend(notes);
     }
 
     /// Notes gathered since the last call (a fallback at load or during a run), for the caller

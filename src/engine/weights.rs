@@ -505,6 +505,11 @@ impl WeightStore {
         })
     }
 
+    /// The paths of the files the tensors come from.
+    pub fn file_paths(&self) -> Vec<&Path> {
+        self.files.iter().map(|f| f.path.as_path()).collect()
+    }
+
     /// A store over already-parsed files (synthetic models, tests).
     pub fn from_files(dir: &Path, files: Vec<SafetensorsFile>) -> Self {
         let mut index = BTreeMap::new();

@@ -13,6 +13,7 @@ pub mod quant;
 pub mod sample;
 pub mod team;
 pub mod tile16;
+pub mod tilecache;
 pub mod vnni;
 pub mod x86;
 

@@ -1,39 +1,164 @@
 //! A decode copy of a 4-bit matrix with its rows 16 at a time interleaved a 32-bit word at a
-//! time (`BOT_CPU_LAYOUT=tile16`, opt-in, AVX-512 VNNI), and the matvec that reads it.
+//! time, and the matvec that reads it (AVX-512 VNNI; the default there, `BOT_CPU_LAYOUT=rows`
+//! turns it off).
 //!
 //! MLX stores each row's codes, scales and biases apart: the row kernels of `x86.rs` sum one
 //! row per vector and reduce it across lanes at the end, and read six streams a pair of rows.
 //! Here one 64-byte load holds the same word (8 codes) of 16 rows, so a `vpdpbusd`'s 16 lanes
 //! are 16 rows against one broadcast dword of activations: no reduction, no scale shuffle, and
-//! each (tile, group) is one contiguous piece with its scales and biases after its codes, so a
-//! task reads one sequential stream. The idea is llama.cpp's repacked CPU layouts
-//! (`ggml-cpu/repack.cpp`); the arithmetic is `x86.rs`'s (15-bit activations as 8-bit halves,
-//! exact i32 sums per 32-value block, then `s_g · d_b` in f32), so only the f32 additions'
-//! order differs from the row kernels. The fifteenth session's probe (docs/performance.md)
-//! measured this layout at about the 8-bit kernel's rate on the Xeon where the row layout lost
-//! 5-15% of the stream to its arithmetic.
+//! each (tile, group) is one contiguous piece with its scales and biases after its codes. The
+//! idea is llama.cpp's repacked CPU layouts (`ggml-cpu/repack.cpp`); the arithmetic is
+//! `x86.rs`'s (15-bit activations as 8-bit halves, exact i32 sums per 32-value block, then
+//! `s_g · d_b` in f32), so only the f32 additions' order differs from the row kernels.
 //!
-//! The copy is made at load in anonymous memory (2 MiB pages): the prompt kernels and the
-//! embedding keep reading the mapped file, so both are resident. Rows past the last whole tile
-//! run the row kernel.
+//! The copy is made at load in anonymous memory (2 MiB pages) and kept in a cache file
+//! (`tilecache.rs`) that later starts map. The prompt kernels and the embedding keep reading
+//! the model's own file, so a run holds both: the copy costs the model's size again in
+//! memory and on disk. Rows past the last whole tile run the row kernel.
+
+use std::path::{Path, PathBuf};
 
 use crate::engine::cpu::isa::Isa;
 use crate::engine::cpu::quant::IntActs;
+use crate::engine::cpu::tilecache;
 use crate::engine::quant::QMatrix;
-use crate::engine::resident::{Frozen, HugeBuf};
+use crate::engine::resident::HugeBuf;
 use crate::engine::weights::Dtype;
 
 /// Rows a tile interleaves: one per i32 lane of a 512-bit vector.
 pub const ROWS: usize = 16;
 
-/// The environment variable that turns the copy on (`tile16`); anything else, or unset, keeps
-/// the row layout alone.
+/// The environment variable that chooses: `rows` (or `off`) reads MLX's layout alone;
+/// `tile16`, or unset, makes the copies where the CPU has AVX-512 VNNI.
 pub const ENV: &str = "BOT_CPU_LAYOUT";
 
-/// Whether the CPU engine makes tile copies at load (`BOT_CPU_LAYOUT=tile16`) for `isa`:
-/// only the AVX-512 kernel reads them.
+/// Where the copies are kept between starts (a directory), or `off` to make them at every
+/// start; unset: the user's cache directory (`~/.cache/bot/tiles` on Linux).
+pub const CACHE_ENV: &str = "BOT_TILE_CACHE";
+
+/// Copies smaller than this are made at every start and not kept: they take a few tens of
+/// milliseconds, and tests' tiny models leave nothing in the user's cache.
+const CACHE_MIN: usize = 64 << 20;
+
+/// Whether the CPU engine gives its matrices decode copies for `isa`: only the AVX-512
+/// kernel reads them, and `BOT_CPU_LAYOUT=rows` says no.
 pub fn wanted(isa: Isa) -> bool {
-    isa.avx512() && std::env::var(ENV).is_ok_and(|v| v.eq_ignore_ascii_case("tile16"))
+    let asked = std::env::var(ENV).unwrap_or_default().to_ascii_lowercase();
+    isa.avx512() && !matches!(asked.as_str(), "rows" | "off" | "0" | "no" | "false")
+}
+
+/// What the CPU decode reads here, in words (`bot doctor`).
+pub fn describe(isa: Isa) -> String {
+    if !wanted(isa) {
+        let why = if isa.avx512() {
+            "asked"
+        } else {
+            "no AVX-512 VNNI"
+        };
+        return format!("MLX's rows ({ENV}=rows or {why})");
+    }
+    let cache = match cache_dir() {
+        Some(d) => format!("kept in {}", d.display()),
+        None => "made at every start".into(),
+    };
+    format!(
+        "a copy 16 rows interleaved (tile16; {cache} from {} MB; {ENV}=rows turns it off)",
+        CACHE_MIN >> 20
+    )
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    match std::env::var_os(CACHE_ENV) {
+        Some(v) if v == "off" => None,
+        Some(v) if !v.is_empty() => Some(PathBuf::from(v)),
+        _ => directories::ProjectDirs::from("", "", "bot").map(|d| d.cache_dir().join("tiles")),
+    }
+}
+
+/// Gives each of `ws` that the kernel takes its decode copy: mapped from the cache file of
+/// `model_dir` (made from `files`) where it holds them, else made now (where half the
+/// available memory holds them) and kept there for the next start. Returns notes for the
+/// user: what was made and kept, or why not.
+pub fn prepare(ws: &[&QMatrix], files: &[&Path], model_dir: &Path) -> Vec<String> {
+    prepare_in(ws, files, model_dir, cache_dir().as_deref(), CACHE_MIN)
+}
+
+/// `prepare` with the cache in `cache` (none: made every time) for copies of `min` bytes on.
+fn prepare_in(
+    ws: &[&QMatrix],
+    files: &[&Path],
+    model_dir: &Path,
+    cache: Option<&Path>,
+    min: usize,
+) -> Vec<String> {
+    let ws: Vec<&QMatrix> = ws
+        .iter()
+        .copied()
+        .filter(|w| Tiles::layout_of(w).is_some())
+        .collect();
+    let total: usize = ws
+        .iter()
+        .filter_map(|w| Tiles::layout_of(w))
+        .map(Tiles::len_of)
+        .sum();
+    if ws.is_empty() {
+        return Vec::new();
+    }
+    let cache = cache.filter(|_| total >= min).and_then(|d| {
+        let key = tilecache::key(files, &ws).ok()?;
+        Some((tilecache::file_for(d, model_dir), key))
+    });
+    if let Some((path, key)) = &cache {
+        if let Some(copies) = tilecache::load(path, key, &ws) {
+            for (w, t) in ws.iter().zip(copies) {
+                w.cpu_copy.put(t);
+            }
+            return Vec::new();
+        }
+    }
+    let mb = total as f64 / 1e6;
+    if !crate::engine::resident::room_for_copy(total) {
+        return vec![format!(
+            "no room for the CPU decode copy ({mb:.0} MB, half the available memory at most): \
+             decode reads MLX's rows, ~5-25% slower on this CPU"
+        )];
+    }
+    let t = std::time::Instant::now();
+    let copies: Option<Vec<Tiles>> = ws.iter().map(|w| Tiles::of(w)).collect();
+    let Some(copies) = copies else {
+        return vec!["the CPU decode copy could not be made (memory refused)".into()];
+    };
+    let secs = t.elapsed().as_secs_f64();
+    let mut notes = Vec::new();
+    if let Some((path, key)) = &cache {
+        let refs: Vec<&Tiles> = copies.iter().collect();
+        let room = tilecache::free_bytes(path.parent().unwrap_or(path));
+        notes.push(if room.is_some_and(|r| r < total as u64 + (1 << 30)) {
+            format!(
+                "made the CPU decode copy ({mb:.0} MB, {secs:.1} s); not kept: under {:.1} GB \
+                 free beside {} ({CACHE_ENV}=DIR puts it elsewhere, {ENV}=rows turns it off)",
+                (total as f64 + 1e9) / 1e9,
+                path.display()
+            )
+        } else {
+            match tilecache::store(path, key, &ws, &refs) {
+                Ok(()) => format!(
+                    "made the CPU decode copy ({mb:.0} MB, {secs:.1} s) and kept it in {} for \
+                     later starts ({ENV}=rows turns it off)",
+                    path.display()
+                ),
+                Err(e) => format!(
+                    "made the CPU decode copy ({mb:.0} MB, {secs:.1} s); could not keep it in \
+                     {}: {e}",
+                    path.display()
+                ),
+            }
+        });
+    }
+    for (w, t) in ws.iter().zip(copies) {
+        w.cpu_copy.put(t);
+    }
+    notes
 }
 
 /// A matrix's whole tiles (rows `0..tiles * 16`) in the interleaved layout. Tile `t`, group
@@ -41,14 +166,69 @@ pub fn wanted(isa: Isa) -> bool {
 /// `16t..16t + 16` (64 bytes: row `16t + r`'s word at `4r`), for each of the group's `gs / 8`
 /// words, then the 16 rows' bf16 scales (32 bytes) and bf16 biases (32 bytes).
 pub struct Tiles {
-    bytes: Frozen,
+    /// The copy's bytes: a buffer made at load, or a piece of a cache file mapped
+    /// (`tilecache.rs`).
+    bytes: Held,
     pub tiles: usize,
     pub gpr: usize,
     /// log2(group size / 32): 0, 1 or 2.
     pub gshift: usize,
 }
 
+/// Bytes `start..start + len` of a buffer or a mapped file.
+pub(crate) struct Held {
+    pub(crate) owner: std::sync::Arc<dyn AsRef<[u8]> + Send + Sync>,
+    pub(crate) start: usize,
+    pub(crate) len: usize,
+}
+
+impl AsRef<[u8]> for Held {
+    fn as_ref(&self) -> &[u8] {
+        &(*self.owner).as_ref()[self.start..self.start + self.len]
+    }
+}
+
 impl Tiles {
+    /// The layout `w`'s copy has (no bytes checked): whole tiles, groups a row, log2(group
+    /// size / 32); `None` where the kernel does not take `w` (see `of`).
+    pub fn layout_of(w: &QMatrix) -> Option<(usize, usize, usize)> {
+        let gs = w.params.group_size;
+        let ok = w.params.bits == 4
+            && matches!(gs, 32 | 64 | 128)
+            && w.scales.dtype == Dtype::BF16
+            && w.biases.dtype == Dtype::BF16
+            && w.rows >= ROWS;
+        ok.then(|| {
+            (
+                w.rows / ROWS,
+                w.cols / gs,
+                (gs / 32).trailing_zeros() as usize,
+            )
+        })
+    }
+
+    /// The copy's size in bytes for that layout.
+    pub fn len_of((tiles, gpr, gshift): (usize, usize, usize)) -> usize {
+        tiles * gpr * group_bytes(gshift)
+    }
+
+    /// A copy over bytes already in the layout (a cache file's), checked for size.
+    pub(crate) fn from_held(w: &QMatrix, bytes: Held) -> Option<Tiles> {
+        let layout = Self::layout_of(w)?;
+        let (tiles, gpr, gshift) = layout;
+        (bytes.len == Self::len_of(layout)).then_some(Tiles {
+            bytes,
+            tiles,
+            gpr,
+            gshift,
+        })
+    }
+
+    /// The copy's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        self.bytes.as_ref()
+    }
+
     /// Bytes of one (tile, group): its codes, then 64 bytes of scales and biases.
     pub fn group_bytes(&self) -> usize {
         group_bytes(self.gshift)
@@ -70,19 +250,11 @@ impl Tiles {
     /// refused.
     pub fn of(w: &QMatrix) -> Option<Tiles> {
         use rayon::prelude::*;
-        let gs = w.params.group_size;
-        let ok = w.params.bits == 4
-            && matches!(gs, 32 | 64 | 128)
-            && w.scales.dtype == Dtype::BF16
-            && w.biases.dtype == Dtype::BF16
-            && w.rows >= ROWS;
-        if !ok {
-            return None;
-        }
-        let (tiles, gpr) = (w.rows / ROWS, w.cols / gs);
-        let gshift = (gs / 32).trailing_zeros() as usize;
+        let layout = Self::layout_of(w)?;
+        let (tiles, gpr, gshift) = layout;
         let gb = group_bytes(gshift);
-        let mut buf = HugeBuf::zeroed(tiles * gpr * gb).ok()?;
+        let gs = w.params.group_size;
+        let mut buf = HugeBuf::zeroed(Self::len_of(layout)).ok()?;
         let (packed, scales, biases) = (&w.packed[..], &w.scales.bytes[..], &w.biases.bytes[..]);
         let (row_bytes, words) = (w.cols / 2, gs / 8);
         buf.par_chunks_mut(gpr * gb)
@@ -102,8 +274,14 @@ impl Tiles {
                     }
                 }
             });
+        let buf = buf.freeze().ok()?;
+        let len = buf.as_ref().len();
         Some(Tiles {
-            bytes: buf.freeze().ok()?,
+            bytes: Held {
+                owner: std::sync::Arc::new(buf),
+                start: 0,
+                len,
+            },
             tiles,
             gpr,
             gshift,
@@ -418,6 +596,65 @@ mod tests {
                 assert_eq!(g.to_bits(), e.to_bits(), "{} rows, row {n}", w.rows);
             }
         }
+    }
+
+    /// The first start makes the copies and keeps them (one note); the next maps the same
+    /// bytes from the file (no note); a changed model file makes them again; no cache
+    /// directory, nothing kept; a matrix the kernel does not take gets none.
+    #[test]
+    fn prepare_keeps_the_copies_and_maps_them_back() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (model, cache) = (dir.path().join("model"), dir.path().join("cache"));
+        std::fs::create_dir_all(&model).expect("mkdir");
+        let file = model.join("model.safetensors");
+        std::fs::write(&file, b"weights").expect("write");
+        let make = || -> Vec<QMatrix> {
+            [(32, 256, 64), (48, 128, 32), (8, 64, 64)]
+                .iter()
+                .enumerate()
+                .map(|(i, &(r, k, gs))| {
+                    let mut w = random_qmatrix(r, k, 4, gs, Dtype::BF16, i as u64);
+                    w.name = format!("m{i}");
+                    w
+                })
+                .collect()
+        };
+        let run = |ws: &[QMatrix], cache: Option<&Path>| {
+            let refs: Vec<&QMatrix> = ws.iter().collect();
+            prepare_in(&refs, &[file.as_path()], &model, cache, 0)
+        };
+        let first = make();
+        let notes = run(&first, Some(&cache));
+        assert!(
+            notes.len() == 1 && notes[0].contains("kept it in"),
+            "{notes:?}"
+        );
+        assert!(
+            first[2].cpu_copy.peek::<Tiles>().is_none(),
+            "8 rows: no tile"
+        );
+        let second = make();
+        assert!(
+            run(&second, Some(&cache)).is_empty(),
+            "mapped, nothing to say"
+        );
+        for (a, b) in first.iter().zip(&second).take(2) {
+            let (a, b) = (a.cpu_copy.peek::<Tiles>(), b.cpu_copy.peek::<Tiles>());
+            let (a, b) = (a.expect("made"), b.expect("mapped"));
+            assert_eq!(a.bytes(), b.bytes());
+        }
+        // another size: another key, whatever the clock's resolution
+        std::fs::write(&file, b"new weights").expect("write");
+        let notes = run(&make(), Some(&cache));
+        assert!(
+            notes.len() == 1 && notes[0].contains("kept it in"),
+            "{notes:?}"
+        );
+        let none = make();
+        assert!(run(&none, None).is_empty());
+        assert!(none[0].cpu_copy.peek::<Tiles>().is_some(), "made, not kept");
+        let kept = std::fs::read_dir(&cache).expect("ls").count();
+        assert_eq!(kept, 1, "one file a model directory");
     }
 
     /// Matrices the kernel does not take get no copy.

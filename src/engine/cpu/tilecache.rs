@@ -1,0 +1,302 @@
+//! The decode copies of `tile16.rs` kept on disk, one file per model directory, so that a
+//! start maps them (as it maps the model) instead of making them again.
+//!
+//! A file: `MAGIC`, the header's length (u64 LE), the header (JSON: the key and, per matrix,
+//! its name and where its bytes are), then each matrix's copy at a 4 KiB boundary. The key
+//! is a SHA-256 of the format version and of what the copies are made from (each model file's
+//! path, size and modification time; each matrix's name and shape): a model changed in place
+//! gets a new copy, written over the old one. Files are written to a temporary name in the same
+//! directory and renamed, so a crash leaves no half file under the real name, and two `bot`s
+//! starting at once each write a whole one (the last rename wins; a process that mapped the
+//! other keeps its own). Nothing here is the user's data: a file that does not check out is
+//! ignored and written again.
+
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::engine::cpu::tile16::{Held, Tiles};
+use crate::engine::quant::QMatrix;
+
+const MAGIC: &[u8; 8] = b"BOTTILE1";
+/// Changes whenever the layout of `tile16.rs` or this file does.
+const VERSION: u32 = 1;
+const ALIGN: usize = 4096;
+
+/// What decides whether a cache file holds the right copies.
+pub fn key(files: &[&Path], ws: &[&QMatrix]) -> io::Result<String> {
+    let mut h = Sha256::new();
+    h.update(VERSION.to_le_bytes());
+    for f in files {
+        let m = std::fs::metadata(f)?;
+        let mtime = m
+            .modified()?
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        h.update(std::fs::canonicalize(f)?.to_string_lossy().as_bytes());
+        h.update(m.len().to_le_bytes());
+        h.update(mtime.to_le_bytes());
+    }
+    for w in ws {
+        h.update(w.name.as_bytes());
+        for v in [w.rows, w.cols, w.params.bits, w.params.group_size] {
+            h.update((v as u64).to_le_bytes());
+        }
+    }
+    Ok(hex(&h.finalize()))
+}
+
+/// The cache file of a model directory, in `dir`.
+pub fn file_for(dir: &Path, model_dir: &Path) -> PathBuf {
+    let canon = std::fs::canonicalize(model_dir).unwrap_or_else(|_| model_dir.to_path_buf());
+    let h = Sha256::digest(canon.to_string_lossy().as_bytes());
+    dir.join(format!("{}.tiles", &hex(&h)[..32]))
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[derive(Serialize, Deserialize)]
+struct Header {
+    key: String,
+    matrices: Vec<Entry>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Entry {
+    name: String,
+    offset: usize,
+    len: usize,
+}
+
+/// The copies of `ws` from `path`, mapped, where the file is there and holds them under `key`
+/// (each matrix named and sized as expected); `None` otherwise.
+pub fn load(path: &Path, key: &str, ws: &[&QMatrix]) -> Option<Vec<Tiles>> {
+    let file = std::fs::File::open(path).ok()?;
+    let len = usize::try_from(file.metadata().ok()?.len()).ok()?;
+    let map = map_file(&file, len)?;
+    let bytes = (*map).as_ref();
+    let (header, _) = parse(bytes)?;
+    if header.key != key || header.matrices.len() != ws.len() {
+        return None;
+    }
+    header
+        .matrices
+        .iter()
+        .zip(ws)
+        .map(|(e, w)| {
+            let fits = e.offset.checked_add(e.len).is_some_and(|end| end <= len);
+            if e.name != w.name || !fits {
+                return None;
+            }
+            let held = Held {
+                owner: map.clone(),
+                start: e.offset,
+                len: e.len,
+            };
+            Tiles::from_held(w, held)
+        })
+        .collect()
+}
+
+/// The header and where the data begins; `None` for anything but this format.
+fn parse(bytes: &[u8]) -> Option<(Header, usize)> {
+    let rest = bytes.strip_prefix(MAGIC)?;
+    let n = usize::try_from(u64::from_le_bytes(rest.get(..8)?.try_into().ok()?)).ok()?;
+    let header: Header = serde_json::from_slice(rest.get(8..8usize.checked_add(n)?)?).ok()?;
+    Some((header, MAGIC.len() + 8 + n))
+}
+
+/// Writes `copies` (one per matrix of `ws`) to `path` under `key`, whole or not at all.
+pub fn store(path: &Path, key: &str, ws: &[&QMatrix], copies: &[&Tiles]) -> io::Result<()> {
+    let dir = path
+        .parent()
+        .ok_or_else(|| io::Error::other("cache path without a directory"))?;
+    std::fs::create_dir_all(dir)?;
+    // the header's size depends on the offsets: the data starts past its widest form
+    let mut at = (MAGIC.len() + 8 + header_room(key, ws, copies)).next_multiple_of(ALIGN);
+    let header = Header {
+        key: key.to_string(),
+        matrices: ws
+            .iter()
+            .zip(copies)
+            .map(|(w, t)| {
+                let e = Entry {
+                    name: w.name.clone(),
+                    offset: at,
+                    len: t.nbytes(),
+                };
+                at = (at + t.nbytes()).next_multiple_of(ALIGN);
+                e
+            })
+            .collect(),
+    };
+    let text = serde_json::to_vec(&header).map_err(io::Error::other)?;
+    let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
+    {
+        let mut out = io::BufWriter::with_capacity(1 << 20, tmp.as_file_mut());
+        out.write_all(MAGIC)?;
+        out.write_all(&(text.len() as u64).to_le_bytes())?;
+        out.write_all(&text)?;
+        let mut pos = MAGIC.len() + 8 + text.len();
+        for (e, t) in header.matrices.iter().zip(copies) {
+            out.write_all(&vec![0u8; e.offset - pos])?;
+            out.write_all(t.bytes())?;
+            pos = e.offset + e.len;
+        }
+        out.flush()?;
+    }
+    tmp.as_file().sync_all()?;
+    tmp.persist(path).map_err(|e| e.error)?;
+    Ok(())
+}
+
+/// An upper bound on the header's size: every offset written at its widest.
+fn header_room(key: &str, ws: &[&QMatrix], copies: &[&Tiles]) -> usize {
+    let widest = Header {
+        key: key.to_string(),
+        matrices: ws
+            .iter()
+            .zip(copies)
+            .map(|(w, t)| Entry {
+                name: w.name.clone(),
+                offset: usize::MAX,
+                len: t.nbytes(),
+            })
+            .collect(),
+    };
+    serde_json::to_vec(&widest).map_or(0, |v| v.len())
+}
+
+/// Bytes free to this user on the filesystem holding `dir` (or its nearest existing
+/// ancestor), where the platform says.
+pub fn free_bytes(dir: &Path) -> Option<u64> {
+    let mut d = dir;
+    while !d.exists() {
+        d = d.parent()?;
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(d.as_os_str().as_bytes()).ok()?;
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: `c` is a NUL-terminated path and `st` a statvfs the call fills
+        if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+            return None;
+        }
+        Some(st.f_bavail as u64 * st.f_frsize as u64)
+    }
+    #[cfg(not(unix))]
+    None
+}
+
+struct Map(memmap2::Mmap);
+impl AsRef<[u8]> for Map {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// The file mapped read-only: in 2 MiB entries where the page cache allows (Linux,
+/// `resident::AlignedMap`), else plainly.
+fn map_file(file: &std::fs::File, len: usize) -> Option<Arc<dyn AsRef<[u8]> + Send + Sync>> {
+    #[cfg(target_os = "linux")]
+    if let Ok(m) = crate::engine::resident::AlignedMap::map(file, len) {
+        return Some(Arc::new(m));
+    }
+    let _ = len;
+    // SAFETY: read-only; a cache file is only ever replaced by a rename, never rewritten in
+    // place, so a mapping keeps the bytes it had.
+    let m = unsafe { memmap2::Mmap::map(file) }.ok()?;
+    Some(Arc::new(Map(m)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::quant::testutil::random_qmatrix;
+    use crate::engine::weights::Dtype;
+
+    fn mats() -> Vec<QMatrix> {
+        [(48, 256, 64), (32, 128, 32), (16, 512, 128)]
+            .iter()
+            .enumerate()
+            .map(|(i, &(r, k, gs))| {
+                let mut w = random_qmatrix(r, k, 4, gs, Dtype::BF16, i as u64);
+                w.name = format!("m{i}");
+                w
+            })
+            .collect()
+    }
+
+    /// A stored file maps back to the same bytes; another key, another matrix list, a
+    /// truncated or foreign file give `None` (the caller then makes the copies again).
+    #[test]
+    fn stores_and_maps_back_and_refuses_what_does_not_match() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ws = mats();
+        let refs: Vec<&QMatrix> = ws.iter().collect();
+        let copies: Vec<Tiles> = ws.iter().map(|w| Tiles::of(w).expect("copy")).collect();
+        let crefs: Vec<&Tiles> = copies.iter().collect();
+        let path = dir.path().join("sub").join("m.tiles");
+        store(&path, "k1", &refs, &crefs).expect("store");
+        let back = load(&path, "k1", &refs).expect("maps back");
+        for (a, b) in back.iter().zip(&copies) {
+            assert_eq!(a.bytes(), b.bytes());
+            assert_eq!((a.tiles, a.gpr, a.gshift), (b.tiles, b.gpr, b.gshift));
+            assert_eq!(
+                a.bytes().as_ptr() as usize % ALIGN,
+                0,
+                "4 KiB aligned in the map"
+            );
+        }
+        assert!(load(&path, "k2", &refs).is_none(), "another key");
+        assert!(load(&path, "k1", &refs[..2]).is_none(), "fewer matrices");
+        let mut other = ws.clone();
+        other[1].name = "renamed".into();
+        let orefs: Vec<&QMatrix> = other.iter().collect();
+        assert!(load(&path, "k1", &orefs).is_none(), "another name");
+        let full = std::fs::read(&path).expect("read");
+        std::fs::write(&path, &full[..full.len() - 1]).expect("truncate");
+        assert!(load(&path, "k1", &refs).is_none(), "truncated");
+        std::fs::write(&path, b"not a cache file at all").expect("write");
+        assert!(load(&path, "k1", &refs).is_none(), "foreign");
+        // written again over the bad one, whole
+        store(&path, "k1", &refs, &crefs).expect("store again");
+        assert!(load(&path, "k1", &refs).is_some());
+        let names: Vec<_> = std::fs::read_dir(path.parent().expect("dir"))
+            .expect("ls")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert_eq!(
+            names,
+            vec![std::ffi::OsString::from("m.tiles")],
+            "no temporary left"
+        );
+    }
+
+    /// The key changes with a model file's size or time and with a matrix's shape.
+    #[test]
+    fn the_key_follows_the_files_and_the_shapes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = dir.path().join("model.safetensors");
+        std::fs::write(&f, b"abc").expect("write");
+        let ws = mats();
+        let refs: Vec<&QMatrix> = ws.iter().collect();
+        let k1 = key(&[&f], &refs).expect("key");
+        assert_eq!(k1, key(&[&f], &refs).expect("key"));
+        std::fs::write(&f, b"abcd").expect("write");
+        let k2 = key(&[&f], &refs).expect("key");
+        assert_ne!(k1, k2, "size");
+        assert_ne!(k2, key(&[&f], &refs[..2]).expect("key"), "matrices");
+        assert!(key(&[&dir.path().join("missing")], &refs).is_err());
+        assert_ne!(
+            file_for(dir.path(), Path::new("/a")),
+            file_for(dir.path(), Path::new("/b"))
+        );
+    }
+}
