@@ -1,6 +1,5 @@
 //! A decode copy of a 4-bit matrix with its rows 16 at a time interleaved a 32-bit word at a
-//! time, and the matvec that reads it (AVX-512 VNNI; the default there, `BOT_CPU_LAYOUT=rows`
-//! turns it off).
+//! time, and the matvec that reads it (AVX-512 VNNI; by default on Intel's CPUs, `wanted`).
 //!
 //! MLX stores each row's codes, scales and biases apart: the row kernels of `x86.rs` sum one
 //! row per vector and reduce it across lanes at the end, and read six streams a pair of rows.
@@ -41,21 +40,45 @@ pub const CACHE_ENV: &str = "BOT_TILE_CACHE";
 const CACHE_MIN: usize = 64 << 20;
 
 /// Whether the CPU engine gives its matrices decode copies for `isa`: only the AVX-512
-/// kernel reads them, and `BOT_CPU_LAYOUT=rows` says no.
+/// kernel reads them. `BOT_CPU_LAYOUT=tile16` or `rows` decides; unset, Intel CPUs take them
+/// and AMD's do not: on the Xeon (Emerald Rapids, 2 threads) the copy's decode was 7-14%
+/// faster at the 0.6B shape and ~5% at the 8B, on the Zen 5 EPYC within its noise (±5%,
+/// docs/performance.md, twentieth session), which does not pay for a second copy of the
+/// model in memory and on disk.
 pub fn wanted(isa: Isa) -> bool {
     let asked = std::env::var(ENV).unwrap_or_default().to_ascii_lowercase();
-    isa.avx512() && !matches!(asked.as_str(), "rows" | "off" | "0" | "no" | "false")
+    isa.avx512()
+        && match asked.as_str() {
+            "tile16" => true,
+            "rows" | "off" | "0" | "no" | "false" => false,
+            _ => intel(),
+        }
+}
+
+/// Whether the CPU says it is Intel's (`cpuid` leaf 0).
+fn intel() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // leaf 0: the vendor string in EBX, EDX, ECX
+        let r = std::arch::x86_64::__cpuid(0);
+        let v = [r.ebx, r.edx, r.ecx];
+        v.iter().flat_map(|x| x.to_le_bytes()).eq(*b"GenuineIntel")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// What the CPU decode reads here, in words (`bot doctor`).
 pub fn describe(isa: Isa) -> String {
     if !wanted(isa) {
-        let why = if isa.avx512() {
+        let why = if !isa.avx512() {
+            "no AVX-512 VNNI"
+        } else if intel() {
             "asked"
         } else {
-            "no AVX-512 VNNI"
+            "not an Intel CPU"
         };
-        return format!("MLX's rows ({ENV}=rows or {why})");
+        return format!("MLX's rows ({why}; {ENV}=tile16 or rows chooses on AVX-512)");
     }
     let cache = match cache_dir() {
         Some(d) => format!("kept in {}", d.display()),
