@@ -578,7 +578,11 @@ impl Qwen3 {
                 model.adopt_metal_step(dev)?;
             }
         }
-        if opts.device.is_cpu() && tile16::wanted(crate::engine::cpu::isa::active()) {
+        // the exact kernel (`eval`'s and `debug`'s default) never reads the copy
+        if opts.device.is_cpu()
+            && opts.kernel != crate::engine::Numerics::Exact
+            && tile16::wanted(crate::engine::cpu::isa::active())
+        {
             model.copy_tiles(store);
         }
         if opts.route == QMatmulRoute::Repack {
@@ -607,7 +611,7 @@ impl Qwen3 {
             })
             .collect();
         let files = store.file_paths();
-        let notes = tile16::prepare(&quant, &files, &store.dir);
+        let notes = tile16::prepare(&quant, files.as_deref(), &store.dir);
         self.notes.extend(notes);
     }
 

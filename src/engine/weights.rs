@@ -297,6 +297,8 @@ pub struct SafetensorsFile {
     pub tensors: BTreeMap<String, TensorInfo>,
     /// How the bytes are held, for `WeightStore::describe_memory`.
     held: Held,
+    /// Opened from the file at `path` (not built in memory).
+    from_disk: bool,
 }
 
 /// Where a file's bytes are (`resident.rs`).
@@ -347,12 +349,17 @@ impl SafetensorsFile {
                     let map = Arc::new(map);
                     let mut f = Self::from_owner(path, map.clone())?;
                     f.held = Held::HugeMapped(map);
+                    f.from_disk = true;
                     return Ok(f);
                 }
             }
             if residency == Residency::HugeCopied && resident::room_for_copy(len) {
                 match HugeBuf::read_file(&file, len).and_then(HugeBuf::freeze) {
-                    Ok(buf) => return Self::from_frozen(path, buf),
+                    Ok(buf) => {
+                        let mut f = Self::from_frozen(path, buf)?;
+                        f.from_disk = true;
+                        return Ok(f);
+                    }
                     // no memory for the copy: the plain map runs, only slower
                     Err(e) if e.kind() == std::io::ErrorKind::OutOfMemory => {}
                     Err(e) => return Err(EngineError::io(path, e)),
@@ -364,6 +371,7 @@ impl SafetensorsFile {
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| EngineError::io(path, e))?;
         let mut f = Self::from_owner(path, Arc::new(Map(map)))?;
         f.held = Held::Mapped;
+        f.from_disk = true;
         Ok(f)
     }
 
@@ -397,6 +405,7 @@ impl SafetensorsFile {
             data_start,
             tensors,
             held: Held::Buffer,
+            from_disk: false,
         })
     }
 
@@ -505,9 +514,13 @@ impl WeightStore {
         })
     }
 
-    /// The paths of the files the tensors come from.
-    pub fn file_paths(&self) -> Vec<&Path> {
-        self.files.iter().map(|f| f.path.as_path()).collect()
+    /// The paths of the files the tensors come from, where every one was read from disk
+    /// (`None` for a store built in memory, whose paths say nothing of its bytes).
+    pub fn file_paths(&self) -> Option<Vec<&Path>> {
+        self.files
+            .iter()
+            .map(|f| f.from_disk.then_some(f.path.as_path()))
+            .collect()
     }
 
     /// A store over already-parsed files (synthetic models, tests).

@@ -28,7 +28,8 @@ use crate::engine::weights::Dtype;
 pub const ROWS: usize = 16;
 
 /// The environment variable that chooses: `rows` (or `off`) reads MLX's layout alone;
-/// `tile16`, or unset, makes the copies where the CPU has AVX-512 VNNI.
+/// `tile16` makes the copies where the CPU has AVX-512 VNNI; unset, Intel's CPUs make them
+/// (`wanted`).
 pub const ENV: &str = "BOT_CPU_LAYOUT";
 
 /// Where the copies are kept between starts (a directory), or `off` to make them at every
@@ -71,9 +72,10 @@ fn intel() -> bool {
 /// What the CPU decode reads here, in words (`bot doctor`).
 pub fn describe(isa: Isa) -> String {
     if !wanted(isa) {
+        let asked = std::env::var(ENV).is_ok_and(|v| !v.is_empty());
         let why = if !isa.avx512() {
             "no AVX-512 VNNI"
-        } else if intel() {
+        } else if asked {
             "asked"
         } else {
             "not an Intel CPU"
@@ -99,11 +101,19 @@ fn cache_dir() -> Option<PathBuf> {
 }
 
 /// Gives each of `ws` that the kernel takes its decode copy: mapped from the cache file of
-/// `model_dir` (made from `files`) where it holds them, else made now (where half the
-/// available memory holds them) and kept there for the next start. Returns notes for the
-/// user: what was made and kept, or why not.
-pub fn prepare(ws: &[&QMatrix], files: &[&Path], model_dir: &Path) -> Vec<String> {
-    prepare_in(ws, files, model_dir, cache_dir().as_deref(), CACHE_MIN)
+/// `model_dir` (made from `files`; `None` for a model built in memory, which has none) where
+/// it holds them, else made now (where half the available memory holds them) and kept there
+/// for the next start. Returns notes for the user: what was made and kept, or why not.
+pub fn prepare(ws: &[&QMatrix], files: Option<&[&Path]>, model_dir: &Path) -> Vec<String> {
+    // a model built in memory has no files to key a cache by: made every time
+    let cache = files.and(cache_dir());
+    prepare_in(
+        ws,
+        files.unwrap_or(&[]),
+        model_dir,
+        cache.as_deref(),
+        CACHE_MIN,
+    )
 }
 
 /// `prepare` with the cache in `cache` (none: made every time) for copies of `min` bytes on.
@@ -372,7 +382,7 @@ pub unsafe fn tiles_avx512(
     split: bool,
     outs: &mut [f32],
 ) {
-    debug_assert_eq!(outs.len(), ROWS * tiles.len());
+    assert_eq!(outs.len(), ROWS * tiles.len(), "16 outputs a tile");
     match (split, w.gshift) {
         (true, 0) => simd::run::<true, 0>(w, a, tiles, outs),
         (true, 1) => simd::run::<true, 1>(w, a, tiles, outs),

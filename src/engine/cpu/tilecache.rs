@@ -26,24 +26,38 @@ const MAGIC: &[u8; 8] = b"BOTTILE1";
 const VERSION: u32 = 1;
 const ALIGN: usize = 4096;
 
-/// What decides whether a cache file holds the right copies.
+/// What decides whether a cache file holds the right copies: each file's canonical path,
+/// size, modification time and (Unix) device, inode and change time, so a file replaced at
+/// the same path with the same size and time (`cp -p`, `rsync -a`) is another key too; each
+/// matrix's name and shape. Strings go in with their lengths.
 pub fn key(files: &[&Path], ws: &[&QMatrix]) -> io::Result<String> {
     let mut h = Sha256::new();
-    h.update(VERSION.to_le_bytes());
+    let mut put = |b: &[u8]| {
+        h.update((b.len() as u64).to_le_bytes());
+        h.update(b);
+    };
+    put(&VERSION.to_le_bytes());
     for f in files {
         let m = std::fs::metadata(f)?;
         let mtime = m
             .modified()?
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
-        h.update(std::fs::canonicalize(f)?.to_string_lossy().as_bytes());
-        h.update(m.len().to_le_bytes());
-        h.update(mtime.to_le_bytes());
+        put(std::fs::canonicalize(f)?.to_string_lossy().as_bytes());
+        put(&m.len().to_le_bytes());
+        put(&mtime.to_le_bytes());
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::MetadataExt;
+            for v in [m.dev(), m.ino(), m.ctime() as u64, m.ctime_nsec() as u64] {
+                put(&v.to_le_bytes());
+            }
+        }
     }
     for w in ws {
-        h.update(w.name.as_bytes());
+        put(w.name.as_bytes());
         for v in [w.rows, w.cols, w.params.bits, w.params.group_size] {
-            h.update((v as u64).to_le_bytes());
+            put(&(v as u64).to_le_bytes());
         }
     }
     Ok(hex(&h.finalize()))
@@ -136,7 +150,10 @@ pub fn store(path: &Path, key: &str, ws: &[&QMatrix], copies: &[&Tiles]) -> io::
             .collect(),
     };
     let text = serde_json::to_vec(&header).map_err(io::Error::other)?;
-    let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
+    sweep_stale_temporaries(dir);
+    let mut tmp = tempfile::Builder::new()
+        .prefix(TMP_PREFIX)
+        .tempfile_in(dir)?;
     {
         let mut out = io::BufWriter::with_capacity(1 << 20, tmp.as_file_mut());
         out.write_all(MAGIC)?;
@@ -151,8 +168,46 @@ pub fn store(path: &Path, key: &str, ws: &[&QMatrix], copies: &[&Tiles]) -> io::
         out.flush()?;
     }
     tmp.as_file().sync_all()?;
+    drop_written_pages(tmp.as_file());
     tmp.persist(path).map_err(|e| e.error)?;
     Ok(())
+}
+
+/// Asks the kernel to drop the file's pages from the page cache (Linux; written and synced,
+/// they are clean): a file just written sits there in 4 KiB pages, which a later start would
+/// map as such, while one read back from disk comes in large folios (XFS; ext4 from Linux
+/// 6.16) that map in 2 MiB entries (`resident.rs`).
+fn drop_written_pages(file: &std::fs::File) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: advice on an open descriptor; it changes no memory of this process
+        unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = file;
+}
+
+/// The start of a file being written (a process killed while writing leaves one behind).
+const TMP_PREFIX: &str = ".writing-";
+
+/// Removes files being written that were left more than an hour ago (by a process killed
+/// while writing; one writing now touches its file far more often than that).
+fn sweep_stale_temporaries(dir: &Path) {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let old = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age.as_secs() > 3600);
+        if old && e.file_name().to_string_lossy().starts_with(TMP_PREFIX) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }
 
 /// An upper bound on the header's size: every offset written at its widest.
@@ -277,6 +332,20 @@ mod tests {
             vec![std::ffi::OsString::from("m.tiles")],
             "no temporary left"
         );
+        // one left by a process killed while writing, two hours ago, is swept; a fresh one not
+        let cache = path.parent().expect("dir");
+        let (stale, fresh) = (cache.join(".writing-a"), cache.join(".writing-b"));
+        for p in [&stale, &fresh] {
+            std::fs::write(p, b"part").expect("write");
+        }
+        let two_hours = std::time::SystemTime::now() - std::time::Duration::from_secs(7200);
+        std::fs::File::options()
+            .write(true)
+            .open(&stale)
+            .and_then(|h| h.set_modified(two_hours))
+            .expect("set mtime");
+        store(&path, "k1", &refs, &crefs).expect("store");
+        assert!(!stale.exists() && fresh.exists());
     }
 
     /// The key changes with a model file's size or time and with a matrix's shape.
@@ -294,6 +363,20 @@ mod tests {
         assert_ne!(k1, k2, "size");
         assert_ne!(k2, key(&[&f], &refs[..2]).expect("key"), "matrices");
         assert!(key(&[&dir.path().join("missing")], &refs).is_err());
+        // the same size and time at the same path, another file (`cp -p` over it)
+        let other = dir.path().join("other");
+        std::fs::write(&other, b"wxyz").expect("write");
+        let t = std::fs::metadata(&f)
+            .and_then(|m| m.modified())
+            .expect("mtime");
+        std::fs::File::options()
+            .write(true)
+            .open(&other)
+            .and_then(|h| h.set_modified(t))
+            .expect("set mtime");
+        std::fs::rename(&other, &f).expect("rename");
+        #[cfg(unix)]
+        assert_ne!(k2, key(&[&f], &refs).expect("key"), "another inode");
         assert_ne!(
             file_for(dir.path(), Path::new("/a")),
             file_for(dir.path(), Path::new("/b"))
