@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set-up and tests in one command (README "Tests"; CI runs this through .ci/run):
 # starts two reference PDS instances on loopback (one with the production rate limiter),
-# installs Debian's chromium if missing, type-checks the Metal feature, then runs every test with REQUIRE_PDS=1 so that a missing
+# installs Debian's chromium if missing, type-checks the Metal and CUDA features, then runs every test with REQUIRE_PDS=1 so that a missing
 # server fails instead of skipping.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +25,10 @@ fi
 export REQUIRE_CHROMIUM=1
 # The Metal backend's Rust side against the real candle/objc2-metal APIs (nothing runs).
 bash .ci/metal-typecheck.sh . metal >&2
+# ... and the CUDA backend's, with CUDA 13.0's nvcc from PyPI (nothing runs: the GPU machine
+# does). A `--features cuda` build that no longer compiled once went unseen for a day.
+( eval "$(bash .ci/cuda-toolchain.sh)"
+  cargo check --locked --release --features cuda --all-targets --target-dir target-cuda-check ) >&2
 export REQUIRE_PDS=1
 # the CPU backend's weights in 2 MiB pages (engine/resident.rs) are checked, not skipped
 [ "$(uname -s)" != Linux ] || export REQUIRE_HUGEPAGES=1

@@ -913,7 +913,12 @@ impl Qwen3 {
         rayon::scope(move |_| {
             let model = model;
             if decode {
-                crate::engine::cpu::team::Team::lead(|| f(model.0))
+                // the wrapper moves whole into the closure (`let`): capturing `model.0`
+                // alone would send a bare `&mut Qwen3`, which is not `Send` with `cuda`
+                crate::engine::cpu::team::Team::lead(move || {
+                    let model = model;
+                    f(model.0)
+                })
             } else {
                 f(model.0)
             }
