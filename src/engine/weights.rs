@@ -34,7 +34,12 @@ impl Bytes {
             len,
         }
     }
-    fn slice_of(owner: Arc<dyn AsRef<[u8]> + Send + Sync>, start: usize, len: usize) -> Self {
+    /// Bytes `start..start + len` of `owner` (a map or buffer other ranges may share).
+    pub(crate) fn slice_of(
+        owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
+        start: usize,
+        len: usize,
+    ) -> Self {
         Bytes { owner, start, len }
     }
 }
@@ -315,7 +320,8 @@ enum Held {
     Copied(Arc<Frozen>),
 }
 
-struct Map(memmap2::Mmap);
+/// A plain read-only map as an owner for `Bytes`.
+pub(crate) struct Map(pub(crate) memmap2::Mmap);
 impl AsRef<[u8]> for Map {
     fn as_ref(&self) -> &[u8] {
         &self.0

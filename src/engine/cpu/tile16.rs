@@ -22,7 +22,7 @@ use crate::engine::cpu::quant::IntActs;
 use crate::engine::cpu::tilecache;
 use crate::engine::quant::QMatrix;
 use crate::engine::resident::HugeBuf;
-use crate::engine::weights::Dtype;
+use crate::engine::weights::{Bytes, Dtype};
 
 /// Rows a tile interleaves: one per i32 lane of a 512-bit vector.
 pub const ROWS: usize = 16;
@@ -201,24 +201,11 @@ fn prepare_in(
 pub struct Tiles {
     /// The copy's bytes: a buffer made at load, or a piece of a cache file mapped
     /// (`tilecache.rs`).
-    bytes: Held,
+    bytes: Bytes,
     pub tiles: usize,
     pub gpr: usize,
     /// log2(group size / 32): 0, 1 or 2.
     pub gshift: usize,
-}
-
-/// Bytes `start..start + len` of a buffer or a mapped file.
-pub(crate) struct Held {
-    pub(crate) owner: std::sync::Arc<dyn AsRef<[u8]> + Send + Sync>,
-    pub(crate) start: usize,
-    pub(crate) len: usize,
-}
-
-impl AsRef<[u8]> for Held {
-    fn as_ref(&self) -> &[u8] {
-        &(*self.owner).as_ref()[self.start..self.start + self.len]
-    }
 }
 
 impl Tiles {
@@ -246,10 +233,10 @@ impl Tiles {
     }
 
     /// A copy over bytes already in the layout (a cache file's), checked for size.
-    pub(crate) fn from_held(w: &QMatrix, bytes: Held) -> Option<Tiles> {
+    pub(crate) fn from_bytes(w: &QMatrix, bytes: Bytes) -> Option<Tiles> {
         let layout = Self::layout_of(w)?;
         let (tiles, gpr, gshift) = layout;
-        (bytes.len == Self::len_of(layout)).then_some(Tiles {
+        (bytes.len() == Self::len_of(layout)).then_some(Tiles {
             bytes,
             tiles,
             gpr,
@@ -259,7 +246,7 @@ impl Tiles {
 
     /// The copy's bytes.
     pub fn bytes(&self) -> &[u8] {
-        self.bytes.as_ref()
+        &self.bytes[..]
     }
 
     /// Bytes of one (tile, group): its codes, then 64 bytes of scales and biases.
@@ -269,13 +256,13 @@ impl Tiles {
 
     /// The copy's size in bytes.
     pub fn nbytes(&self) -> usize {
-        self.bytes.as_ref().len()
+        self.bytes.len()
     }
 
     /// Tile `t`'s bytes (all its groups).
     pub fn tile(&self, t: usize) -> &[u8] {
         let n = self.gpr * self.group_bytes();
-        &self.bytes.as_ref()[t * n..(t + 1) * n]
+        &self.bytes[t * n..(t + 1) * n]
     }
 
     /// The copy of `w`, or `None` where the kernel does not take it (not 4-bit, groups other
@@ -310,11 +297,7 @@ impl Tiles {
         let buf = buf.freeze().ok()?;
         let len = buf.as_ref().len();
         Some(Tiles {
-            bytes: Held {
-                owner: std::sync::Arc::new(buf),
-                start: 0,
-                len,
-            },
+            bytes: Bytes::slice_of(std::sync::Arc::new(buf), 0, len),
             tiles,
             gpr,
             gshift,
@@ -533,7 +516,7 @@ mod tests {
     use super::*;
     use crate::engine::cpu::isa;
     use crate::engine::cpu::quant::{int_q4_scalar, ActLayout};
-    use crate::engine::quant::testutil::random_qmatrix;
+    use crate::engine::quant::testutil::{named_qmatrices, random_qmatrix};
 
     fn rand_x(k: usize, seed: u64) -> Vec<f32> {
         use rand::{Rng, SeedableRng};
@@ -641,17 +624,7 @@ mod tests {
         std::fs::create_dir_all(&model).expect("mkdir");
         let file = model.join("model.safetensors");
         std::fs::write(&file, b"weights").expect("write");
-        let make = || -> Vec<QMatrix> {
-            [(32, 256, 64), (48, 128, 32), (8, 64, 64)]
-                .iter()
-                .enumerate()
-                .map(|(i, &(r, k, gs))| {
-                    let mut w = random_qmatrix(r, k, 4, gs, Dtype::BF16, i as u64);
-                    w.name = format!("m{i}");
-                    w
-                })
-                .collect()
-        };
+        let make = || named_qmatrices(&[(32, 256, 64), (48, 128, 32), (8, 64, 64)]);
         let run = |ws: &[QMatrix], cache: Option<&Path>| {
             let refs: Vec<&QMatrix> = ws.iter().collect();
             prepare_in(&refs, &[file.as_path()], &model, cache, 0)

@@ -18,8 +18,9 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::engine::cpu::tile16::{Held, Tiles};
+use crate::engine::cpu::tile16::Tiles;
 use crate::engine::quant::QMatrix;
+use crate::engine::weights::{Bytes, Map};
 
 const MAGIC: &[u8; 8] = b"BOTTILE1";
 /// Changes whenever the layout of `tile16.rs` or this file does.
@@ -107,12 +108,7 @@ pub fn load(path: &Path, key: &str, ws: &[&QMatrix]) -> Option<Vec<Tiles>> {
             if e.name != w.name || !fits {
                 return None;
             }
-            let held = Held {
-                owner: map.clone(),
-                start: e.offset,
-                len: e.len,
-            };
-            Tiles::from_held(w, held)
+            Tiles::from_bytes(w, Bytes::slice_of(map.clone(), e.offset, e.len))
         })
         .collect()
 }
@@ -249,13 +245,6 @@ pub fn free_bytes(dir: &Path) -> Option<u64> {
     None
 }
 
-struct Map(memmap2::Mmap);
-impl AsRef<[u8]> for Map {
-    fn as_ref(&self) -> &[u8] {
-        &self.0
-    }
-}
-
 /// The file mapped read-only: in 2 MiB entries where the page cache allows (Linux,
 /// `resident::AlignedMap`), else plainly.
 fn map_file(file: &std::fs::File, len: usize) -> Option<Arc<dyn AsRef<[u8]> + Send + Sync>> {
@@ -273,19 +262,10 @@ fn map_file(file: &std::fs::File, len: usize) -> Option<Arc<dyn AsRef<[u8]> + Se
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::quant::testutil::random_qmatrix;
-    use crate::engine::weights::Dtype;
+    use crate::engine::quant::testutil::named_qmatrices;
 
     fn mats() -> Vec<QMatrix> {
-        [(48, 256, 64), (32, 128, 32), (16, 512, 128)]
-            .iter()
-            .enumerate()
-            .map(|(i, &(r, k, gs))| {
-                let mut w = random_qmatrix(r, k, 4, gs, Dtype::BF16, i as u64);
-                w.name = format!("m{i}");
-                w
-            })
-            .collect()
+        named_qmatrices(&[(48, 256, 64), (32, 128, 32), (16, 512, 128)])
     }
 
     /// A stored file maps back to the same bytes; another key, another matrix list, a

@@ -386,4 +386,19 @@ pub mod random {
 #[cfg(test)]
 pub(crate) mod testutil {
     pub use super::random::qmatrix as random_qmatrix;
+
+    /// Random 4-bit bf16 matrices of `(rows, cols, group size)`, named `m0`, `m1`, ...
+    /// (seeded by their index).
+    pub fn named_qmatrices(shapes: &[(usize, usize, usize)]) -> Vec<super::QMatrix> {
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &(r, k, gs))| {
+                let mut w =
+                    random_qmatrix(r, k, 4, gs, crate::engine::weights::Dtype::BF16, i as u64);
+                w.name = format!("m{i}");
+                w
+            })
+            .collect()
+    }
 }
