@@ -3,7 +3,9 @@
 //! the prompt GEMMs alone, for A/B of kernel changes on one machine. `bot bench` stays the
 //! measure of what users run.
 //!
-//!   cargo run --release --example prompt_gemm [fast|exact] [rounds] [threads] [m]
+//!   cargo run --release --example prompt_gemm [fast|exact] [rounds] [threads] [m] [0.6b|8b]
+//!
+//! `8b` times the 8B shape's matrix kinds instead (q, k/v, gate|up, down).
 use std::time::Instant;
 
 use bot::engine::quant::{random, Numerics};
@@ -22,6 +24,7 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(64)
         .max(1);
+    let eight = args.next().as_deref() == Some("8b");
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
@@ -30,13 +33,18 @@ fn main() {
         "isa {}, {kernel:?}, {threads} threads, m {m}",
         bot::engine::cpu::isa::active().name()
     );
-    for (rows, cols) in [
-        (2048, 1024),
-        (1024, 1024),
-        (6144, 1024),
-        (1024, 3072),
-        (1024, 2048),
-    ] {
+    let shapes: &[(usize, usize)] = if eight {
+        &[(4096, 4096), (1024, 4096), (24576, 4096), (4096, 12288)]
+    } else {
+        &[
+            (2048, 1024),
+            (1024, 1024),
+            (6144, 1024),
+            (1024, 3072),
+            (1024, 2048),
+        ]
+    };
+    for &(rows, cols) in shapes {
         let w = random::qmatrix(rows, cols, 4, 64, Dtype::BF16, 7);
         let x: Vec<f32> = (0..m * cols)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
