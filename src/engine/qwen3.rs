@@ -610,7 +610,7 @@ impl Qwen3 {
                 _ => None,
             })
             .collect();
-        let files = store.file_paths();
+        let files = store.file_stamps();
         let notes = tile16::prepare(&quant, files.as_deref(), &store.dir);
         self.notes.extend(notes);
     }

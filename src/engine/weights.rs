@@ -295,6 +295,44 @@ impl HostTensor {
 }
 
 /// One memory-mapped safetensors file.
+/// What identifies the bytes of a file opened from disk, taken from the open file (`fstat`),
+/// not from its path: a file renamed over the path while a model loads leaves the stamp of the
+/// one read. What the CPU decode copies' cache is keyed by (`cpu::tilecache::key`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileStamp {
+    /// The path it was opened by, canonical.
+    pub path: PathBuf,
+    pub len: u64,
+    /// Modification time, nanoseconds since the Unix epoch (0 before it).
+    pub mtime_ns: u128,
+    /// Device, inode, change time and its nanoseconds (Unix; zeros elsewhere).
+    pub unix: [u64; 4],
+}
+
+impl FileStamp {
+    /// The stamp of `file`, opened by `path`.
+    pub fn of(file: &std::fs::File, path: &Path) -> std::io::Result<FileStamp> {
+        let m = file.metadata()?;
+        let mtime_ns = m
+            .modified()?
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        #[cfg(unix)]
+        let unix = {
+            use std::os::unix::fs::MetadataExt;
+            [m.dev(), m.ino(), m.ctime() as u64, m.ctime_nsec() as u64]
+        };
+        #[cfg(not(unix))]
+        let unix = [0; 4];
+        Ok(FileStamp {
+            path: std::fs::canonicalize(path)?,
+            len: m.len(),
+            mtime_ns,
+            unix,
+        })
+    }
+}
+
 pub struct SafetensorsFile {
     pub path: PathBuf,
     map: Arc<dyn AsRef<[u8]> + Send + Sync>,
@@ -302,8 +340,9 @@ pub struct SafetensorsFile {
     pub tensors: BTreeMap<String, TensorInfo>,
     /// How the bytes are held, for `WeightStore::describe_memory`.
     held: Held,
-    /// Opened from the file at `path` (not built in memory).
-    from_disk: bool,
+    /// Opened from the file at `path` (not built in memory): the open file's stamp. `None`
+    /// also where the stamp could not be taken (then nothing is cached by it).
+    stamp: Option<FileStamp>,
 }
 
 /// Where a file's bytes are (`resident.rs`).
@@ -337,6 +376,7 @@ impl SafetensorsFile {
     /// where the page cache allows, else read into a buffer of them.
     pub fn open_with(path: &Path, residency: Residency) -> Result<Self> {
         let file = std::fs::File::open(path).map_err(|e| EngineError::io(path, e))?;
+        let stamp = FileStamp::of(&file, path).ok();
         if residency != Residency::Mapped {
             let len = file.metadata().map_err(|e| EngineError::io(path, e))?.len();
             let len = usize::try_from(len).map_err(|_| EngineError::SafetensorsFormat {
@@ -355,7 +395,7 @@ impl SafetensorsFile {
                     let map = Arc::new(map);
                     let mut f = Self::from_owner(path, map.clone())?;
                     f.held = Held::HugeMapped(map);
-                    f.from_disk = true;
+                    f.stamp = stamp;
                     return Ok(f);
                 }
             }
@@ -363,7 +403,7 @@ impl SafetensorsFile {
                 match HugeBuf::read_file(&file, len).and_then(HugeBuf::freeze) {
                     Ok(buf) => {
                         let mut f = Self::from_frozen(path, buf)?;
-                        f.from_disk = true;
+                        f.stamp = stamp;
                         return Ok(f);
                     }
                     // no memory for the copy: the plain map runs, only slower
@@ -377,7 +417,7 @@ impl SafetensorsFile {
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| EngineError::io(path, e))?;
         let mut f = Self::from_owner(path, Arc::new(Map(map)))?;
         f.held = Held::Mapped;
-        f.from_disk = true;
+        f.stamp = stamp;
         Ok(f)
     }
 
@@ -411,7 +451,7 @@ impl SafetensorsFile {
             data_start,
             tensors,
             held: Held::Buffer,
-            from_disk: false,
+            stamp: None,
         })
     }
 
@@ -520,13 +560,10 @@ impl WeightStore {
         })
     }
 
-    /// The paths of the files the tensors come from, where every one was read from disk
+    /// The stamps of the files the tensors come from, where every one was read from disk
     /// (`None` for a store built in memory, whose paths say nothing of its bytes).
-    pub fn file_paths(&self) -> Option<Vec<&Path>> {
-        self.files
-            .iter()
-            .map(|f| f.from_disk.then_some(f.path.as_path()))
-            .collect()
+    pub fn file_stamps(&self) -> Option<Vec<&FileStamp>> {
+        self.files.iter().map(|f| f.stamp.as_ref()).collect()
     }
 
     /// A store over already-parsed files (synthetic models, tests).
@@ -632,6 +669,42 @@ mod tests {
         v.extend_from_slice(header.as_bytes());
         v.extend_from_slice(data);
         v
+    }
+
+    /// A store keeps each file's stamp as it opened it: a file renamed over the path later (a
+    /// model updated during a load) does not lend its stamp to the bytes mapped; a file built
+    /// in memory has none.
+    #[test]
+    fn stamps_are_the_opened_files() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("model.safetensors");
+        let h = r#"{"a":{"dtype":"U32","shape":[2],"data_offsets":[0,8]}}"#;
+        let bytes = file(h, &[1, 0, 0, 0, 2, 0, 0, 0]);
+        std::fs::write(&p, &bytes).expect("write");
+        let fresh = |p: &Path| {
+            let f = std::fs::File::open(p).expect("open");
+            FileStamp::of(&f, p).expect("stamp")
+        };
+        let store =
+            WeightStore::from_files(dir.path(), vec![SafetensorsFile::open(&p).expect("open")]);
+        let opened = store.file_stamps().expect("from disk")[0].clone();
+        assert_eq!(opened, fresh(&p));
+        assert_eq!(opened.len, bytes.len() as u64);
+        let other = dir.path().join("other");
+        std::fs::write(&other, &bytes).expect("write");
+        std::fs::rename(&other, &p).expect("rename");
+        assert_eq!(store.file_stamps().expect("from disk")[0], &opened);
+        #[cfg(unix)]
+        assert_ne!(
+            fresh(&p).unix[1],
+            opened.unix[1],
+            "another inode at the path"
+        );
+        let built = WeightStore::from_files(
+            dir.path(),
+            vec![SafetensorsFile::from_bytes(&p, bytes).expect("parse")],
+        );
+        assert!(built.file_stamps().is_none());
     }
 
     #[test]

@@ -22,7 +22,7 @@ use crate::engine::cpu::quant::IntActs;
 use crate::engine::cpu::tilecache;
 use crate::engine::quant::QMatrix;
 use crate::engine::resident::HugeBuf;
-use crate::engine::weights::{Bytes, Dtype};
+use crate::engine::weights::{Bytes, Dtype, FileStamp};
 
 /// Rows a tile interleaves: one per i32 lane of a 512-bit vector.
 pub const ROWS: usize = 16;
@@ -104,7 +104,7 @@ fn cache_dir() -> Option<PathBuf> {
 /// `model_dir` (made from `files`; `None` for a model built in memory, which has none) where
 /// it holds them, else made now (where half the available memory holds them) and kept there
 /// for the next start. Returns notes for the user: what was made and kept, or why not.
-pub fn prepare(ws: &[&QMatrix], files: Option<&[&Path]>, model_dir: &Path) -> Vec<String> {
+pub fn prepare(ws: &[&QMatrix], files: Option<&[&FileStamp]>, model_dir: &Path) -> Vec<String> {
     // a model built in memory has no files to key a cache by: made every time
     let cache = files.and(cache_dir());
     prepare_in(
@@ -119,7 +119,7 @@ pub fn prepare(ws: &[&QMatrix], files: Option<&[&Path]>, model_dir: &Path) -> Ve
 /// `prepare` with the cache in `cache` (none: made every time) for copies of `min` bytes on.
 fn prepare_in(
     ws: &[&QMatrix],
-    files: &[&Path],
+    files: &[&FileStamp],
     model_dir: &Path,
     cache: Option<&Path>,
     min: usize,
@@ -137,9 +137,11 @@ fn prepare_in(
     if ws.is_empty() {
         return Vec::new();
     }
-    let cache = cache.filter(|_| total >= min).and_then(|d| {
-        let key = tilecache::key(files, &ws).ok()?;
-        Some((tilecache::file_for(d, model_dir), key))
+    let cache = cache.filter(|_| total >= min).map(|d| {
+        (
+            tilecache::file_for(d, model_dir),
+            tilecache::key(files, &ws),
+        )
     });
     if let Some((path, key)) = &cache {
         if let Some(copies) = tilecache::load(path, key, &ws) {
@@ -627,7 +629,9 @@ mod tests {
         let make = || named_qmatrices(&[(32, 256, 64), (48, 128, 32), (8, 64, 64)]);
         let run = |ws: &[QMatrix], cache: Option<&Path>| {
             let refs: Vec<&QMatrix> = ws.iter().collect();
-            prepare_in(&refs, &[file.as_path()], &model, cache, 0)
+            let opened = std::fs::File::open(&file).expect("open");
+            let stamp = FileStamp::of(&opened, &file).expect("stamp");
+            prepare_in(&refs, &[&stamp], &model, cache, 0)
         };
         let first = make();
         let notes = run(&first, Some(&cache));

@@ -20,18 +20,19 @@ use sha2::{Digest, Sha256};
 
 use crate::engine::cpu::tile16::Tiles;
 use crate::engine::quant::QMatrix;
-use crate::engine::weights::{Bytes, Map};
+use crate::engine::weights::{Bytes, FileStamp, Map};
 
 const MAGIC: &[u8; 8] = b"BOTTILE1";
 /// Changes whenever the layout of `tile16.rs` or this file does.
 const VERSION: u32 = 1;
 const ALIGN: usize = 4096;
 
-/// What decides whether a cache file holds the right copies: each file's canonical path,
-/// size, modification time and (Unix) device, inode and change time, so a file replaced at
-/// the same path with the same size and time (`cp -p`, `rsync -a`) is another key too; each
-/// matrix's name and shape. Strings go in with their lengths.
-pub fn key(files: &[&Path], ws: &[&QMatrix]) -> io::Result<String> {
+/// What decides whether a cache file holds the right copies: each model file's stamp as it
+/// was opened (canonical path, size, modification time and (Unix) device, inode and change
+/// time: a file replaced at the same path with the same size and time, `cp -p` or `rsync -a`,
+/// is another key too, and one renamed over the path during a load leaves the key of the
+/// bytes read); each matrix's name and shape. Strings go in with their lengths.
+pub fn key(files: &[&FileStamp], ws: &[&QMatrix]) -> String {
     let mut h = Sha256::new();
     let mut put = |b: &[u8]| {
         h.update((b.len() as u64).to_le_bytes());
@@ -39,20 +40,11 @@ pub fn key(files: &[&Path], ws: &[&QMatrix]) -> io::Result<String> {
     };
     put(&VERSION.to_le_bytes());
     for f in files {
-        let m = std::fs::metadata(f)?;
-        let mtime = m
-            .modified()?
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        put(std::fs::canonicalize(f)?.to_string_lossy().as_bytes());
-        put(&m.len().to_le_bytes());
-        put(&mtime.to_le_bytes());
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::MetadataExt;
-            for v in [m.dev(), m.ino(), m.ctime() as u64, m.ctime_nsec() as u64] {
-                put(&v.to_le_bytes());
-            }
+        put(f.path.to_string_lossy().as_bytes());
+        put(&f.len.to_le_bytes());
+        put(&f.mtime_ns.to_le_bytes());
+        for v in f.unix {
+            put(&v.to_le_bytes());
         }
     }
     for w in ws {
@@ -61,7 +53,7 @@ pub fn key(files: &[&Path], ws: &[&QMatrix]) -> io::Result<String> {
             put(&(v as u64).to_le_bytes());
         }
     }
-    Ok(hex(&h.finalize()))
+    hex(&h.finalize())
 }
 
 /// The cache file of a model directory, in `dir`.
@@ -328,7 +320,14 @@ mod tests {
         assert!(!stale.exists() && fresh.exists());
     }
 
-    /// The key changes with a model file's size or time and with a matrix's shape.
+    /// The key of the file at `f` as opened now.
+    fn key_of(f: &Path, ws: &[&QMatrix]) -> String {
+        let file = std::fs::File::open(f).expect("open");
+        key(&[&FileStamp::of(&file, f).expect("stamp")], ws)
+    }
+
+    /// The key changes with a model file's size or time and with a matrix's shape; a stamp
+    /// taken at open keeps its key after another file is renamed over the path.
     #[test]
     fn the_key_follows_the_files_and_the_shapes() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -336,13 +335,14 @@ mod tests {
         std::fs::write(&f, b"abc").expect("write");
         let ws = mats();
         let refs: Vec<&QMatrix> = ws.iter().collect();
-        let k1 = key(&[&f], &refs).expect("key");
-        assert_eq!(k1, key(&[&f], &refs).expect("key"));
+        let k1 = key_of(&f, &refs);
+        assert_eq!(k1, key_of(&f, &refs));
         std::fs::write(&f, b"abcd").expect("write");
-        let k2 = key(&[&f], &refs).expect("key");
+        let k2 = key_of(&f, &refs);
         assert_ne!(k1, k2, "size");
-        assert_ne!(k2, key(&[&f], &refs[..2]).expect("key"), "matrices");
-        assert!(key(&[&dir.path().join("missing")], &refs).is_err());
+        let opened = std::fs::File::open(&f).expect("open");
+        let at_open = FileStamp::of(&opened, &f).expect("stamp");
+        assert_ne!(k2, key(&[&at_open], &refs[..2]), "matrices");
         // the same size and time at the same path, another file (`cp -p` over it)
         let other = dir.path().join("other");
         std::fs::write(&other, b"wxyz").expect("write");
@@ -356,7 +356,10 @@ mod tests {
             .expect("set mtime");
         std::fs::rename(&other, &f).expect("rename");
         #[cfg(unix)]
-        assert_ne!(k2, key(&[&f], &refs).expect("key"), "another inode");
+        assert_ne!(k2, key_of(&f, &refs), "another inode");
+        // a load that opened the file before the rename keys the bytes it read
+        assert_eq!(key(&[&at_open], &refs), k2);
+        drop(opened);
         assert_ne!(
             file_for(dir.path(), Path::new("/a")),
             file_for(dir.path(), Path::new("/b"))
