@@ -294,10 +294,12 @@ impl HostTensor {
     }
 }
 
-/// One memory-mapped safetensors file.
-/// What identifies the bytes of a file opened from disk, taken from the open file (`fstat`),
-/// not from its path: a file renamed over the path while a model loads leaves the stamp of the
-/// one read. What the CPU decode copies' cache is keyed by (`cpu::tilecache::key`).
+/// What identifies the bytes of a file opened from disk: size, times and (Unix) device, inode
+/// and change time from the open file (`fstat`), not from its path, so a file renamed over the
+/// path while a model loads leaves the stamp of the one read; the path, canonical, names it.
+/// What the CPU decode copies' cache is keyed by (`cpu::tilecache::key`). Metadata, not
+/// content: off Unix (no inode) a file put over the path with the same size and time, or a
+/// write in place within one tick of the file system's clock, keeps the stamp.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FileStamp {
     /// The path it was opened by, canonical.
@@ -333,6 +335,7 @@ impl FileStamp {
     }
 }
 
+/// One memory-mapped safetensors file.
 pub struct SafetensorsFile {
     pub path: PathBuf,
     map: Arc<dyn AsRef<[u8]> + Send + Sync>,
@@ -563,6 +566,9 @@ impl WeightStore {
     /// The stamps of the files the tensors come from, where every one was read from disk
     /// (`None` for a store built in memory, whose paths say nothing of its bytes).
     pub fn file_stamps(&self) -> Option<Vec<&FileStamp>> {
+        if self.files.is_empty() {
+            return None;
+        }
         self.files.iter().map(|f| f.stamp.as_ref()).collect()
     }
 
@@ -690,16 +696,23 @@ mod tests {
         let opened = store.file_stamps().expect("from disk")[0].clone();
         assert_eq!(opened, fresh(&p));
         assert_eq!(opened.len, bytes.len() as u64);
+        let held = std::fs::File::open(&p).expect("open");
         let other = dir.path().join("other");
         std::fs::write(&other, &bytes).expect("write");
         std::fs::rename(&other, &p).expect("rename");
         assert_eq!(store.file_stamps().expect("from disk")[0], &opened);
+        // the stamp comes from the open file, not from what the path names now
         #[cfg(unix)]
-        assert_ne!(
-            fresh(&p).unix[1],
-            opened.unix[1],
-            "another inode at the path"
-        );
+        {
+            let again = FileStamp::of(&held, &p).expect("stamp");
+            assert_eq!(again.unix[1], opened.unix[1], "the opened file's inode");
+            assert_ne!(
+                fresh(&p).unix[1],
+                opened.unix[1],
+                "another inode at the path"
+            );
+        }
+        drop(held);
         let built = WeightStore::from_files(
             dir.path(),
             vec![SafetensorsFile::from_bytes(&p, bytes).expect("parse")],

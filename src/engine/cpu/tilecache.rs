@@ -4,8 +4,9 @@
 //! A file: `MAGIC`, the header's length (u64 LE), the header (JSON: the key and, per matrix,
 //! its name and where its bytes are), then each matrix's copy at a 4 KiB boundary. The key
 //! is a SHA-256 of the format version and of what the copies are made from (each model file's
-//! path, size and modification time; each matrix's name and shape): a model changed in place
-//! gets a new copy, written over the old one. Files are written to a temporary name in the same
+//! stamp as it was opened, `weights::FileStamp`: path, size, modification time and, on Unix,
+//! device, inode and change time; each matrix's name and shape): a model changed in place or
+//! replaced gets a new copy, written over the old one. Files are written to a temporary name in the same
 //! directory and renamed, so a crash leaves no half file under the real name, and two `bot`s
 //! starting at once each write a whole one (the last rename wins; a process that mapped the
 //! other keeps its own). Nothing here is the user's data: a file that does not check out is
