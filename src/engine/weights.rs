@@ -333,6 +333,13 @@ impl FileStamp {
             unix,
         })
     }
+
+    /// The stamp of the file at `path`, opened now (tests).
+    #[cfg(test)]
+    pub(crate) fn of_path(path: &Path) -> FileStamp {
+        let file = std::fs::File::open(path).expect("open");
+        FileStamp::of(&file, path).expect("stamp")
+    }
 }
 
 /// One memory-mapped safetensors file.
@@ -687,14 +694,10 @@ mod tests {
         let h = r#"{"a":{"dtype":"U32","shape":[2],"data_offsets":[0,8]}}"#;
         let bytes = file(h, &[1, 0, 0, 0, 2, 0, 0, 0]);
         std::fs::write(&p, &bytes).expect("write");
-        let fresh = |p: &Path| {
-            let f = std::fs::File::open(p).expect("open");
-            FileStamp::of(&f, p).expect("stamp")
-        };
         let store =
             WeightStore::from_files(dir.path(), vec![SafetensorsFile::open(&p).expect("open")]);
         let opened = store.file_stamps().expect("from disk")[0].clone();
-        assert_eq!(opened, fresh(&p));
+        assert_eq!(opened, FileStamp::of_path(&p));
         assert_eq!(opened.len, bytes.len() as u64);
         let held = std::fs::File::open(&p).expect("open");
         let other = dir.path().join("other");
@@ -707,7 +710,7 @@ mod tests {
             let again = FileStamp::of(&held, &p).expect("stamp");
             assert_eq!(again.unix[1], opened.unix[1], "the opened file's inode");
             assert_ne!(
-                fresh(&p).unix[1],
+                FileStamp::of_path(&p).unix[1],
                 opened.unix[1],
                 "another inode at the path"
             );

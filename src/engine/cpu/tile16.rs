@@ -629,9 +629,7 @@ mod tests {
         let make = || named_qmatrices(&[(32, 256, 64), (48, 128, 32), (8, 64, 64)]);
         let run = |ws: &[QMatrix], cache: Option<&Path>| {
             let refs: Vec<&QMatrix> = ws.iter().collect();
-            let opened = std::fs::File::open(&file).expect("open");
-            let stamp = FileStamp::of(&opened, &file).expect("stamp");
-            prepare_in(&refs, &[&stamp], &model, cache, 0)
+            prepare_in(&refs, &[&FileStamp::of_path(&file)], &model, cache, 0)
         };
         let first = make();
         let notes = run(&first, Some(&cache));

@@ -6,11 +6,11 @@
 //! is a SHA-256 of the format version and of what the copies are made from (each model file's
 //! stamp as it was opened, `weights::FileStamp`: path, size, modification time and, on Unix,
 //! device, inode and change time; each matrix's name and shape): a model changed in place or
-//! replaced gets a new copy, written over the old one. Files are written to a temporary name in the same
-//! directory and renamed, so a crash leaves no half file under the real name, and two `bot`s
-//! starting at once each write a whole one (the last rename wins; a process that mapped the
-//! other keeps its own). Nothing here is the user's data: a file that does not check out is
-//! ignored and written again.
+//! replaced gets a new copy, written over the old one. Files are written to a temporary name in
+//! the same directory and renamed, so a crash leaves no half file under the real name, and two
+//! `bot`s starting at once each write a whole one (the last rename wins; a process that mapped
+//! the other keeps its own). Nothing here is the user's data: a file that does not check out
+//! is ignored and written again.
 
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
@@ -323,8 +323,7 @@ mod tests {
 
     /// The key of the file at `f` as opened now.
     fn key_of(f: &Path, ws: &[&QMatrix]) -> String {
-        let file = std::fs::File::open(f).expect("open");
-        key(&[&FileStamp::of(&file, f).expect("stamp")], ws)
+        key(&[&FileStamp::of_path(f)], ws)
     }
 
     /// The key changes with a model file's size or time and with a matrix's shape; a stamp
