@@ -3,9 +3,10 @@
 //! the prompt GEMMs alone, for A/B of kernel changes on one machine. `bot bench` stays the
 //! measure of what users run.
 //!
-//!   cargo run --release --example prompt_gemm [fast|exact] [rounds] [threads] [m] [0.6b|8b]
+//!   cargo run --release --example prompt_gemm [fast|exact] [rounds] [threads] [m] [0.6b|8b] [tile16]
 //!
-//! `8b` times the 8B shape's matrix kinds instead (q, k/v, gate|up, down).
+//! `8b` times the 8B shape's matrix kinds instead (q, k/v, gate|up, down); `tile16` gives each
+//! matrix its decode copy first (`cpu/tile16.rs`), which the AMX GEMM then reads.
 use std::time::Instant;
 
 use bot::engine::quant::{random, Numerics};
@@ -25,6 +26,7 @@ fn main() {
         .unwrap_or(64)
         .max(1);
     let eight = args.next().as_deref() == Some("8b");
+    let copy = args.next().as_deref() == Some("tile16");
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
@@ -46,6 +48,9 @@ fn main() {
     };
     for &(rows, cols) in shapes {
         let w = random::qmatrix(rows, cols, 4, 64, Dtype::BF16, 7);
+        if copy && bot::engine::cpu::tile16::attach(&w).is_none() {
+            eprintln!("no tile16 copy for {rows} x {cols}");
+        }
         let x: Vec<f32> = (0..m * cols)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
             .collect();

@@ -11,9 +11,11 @@
 //! `s_g · d_b` in f32), so only the f32 additions' order differs from the row kernels.
 //!
 //! The copy is made at load in anonymous memory (2 MiB pages) and kept in a cache file
-//! (`tilecache.rs`) that later starts map. The prompt kernels and the embedding keep reading
-//! the model's own file, so a run holds both: the copy costs the model's size again in
-//! memory and on disk. Rows past the last whole tile run the row kernel.
+//! (`tilecache.rs`) that later starts map. The AMX prompt GEMM (`amx.rs`) reads it too, so
+//! on CPUs with AMX the model's file is read for the norms and the embedding's rows alone:
+//! the copy costs the model's size on disk only. The AVX-512 prompt kernel (`vnni.rs`, Intel
+//! CPUs without AMX) keeps reading the file, so there a run holds both. Rows past the last
+//! whole tile run the row kernel.
 
 use std::path::{Path, PathBuf};
 
