@@ -701,35 +701,17 @@ mod hw {
         }
     }
 
-    /// `unpack16_portable` in registers: the 8 words of 16 rows transposed (two rounds of
-    /// in-lane unpacks give, per 128-bit lane `L`, four words of row `4L + k`; a two-source
-    /// permute puts a row's words 0-3 and 4-7 twice in one vector), then each row's low
-    /// nibbles to the first 32 bytes and its high ones to the last by one variable shift.
+    /// `unpack16_portable` in registers: the block transposed (`tile16::transpose_block`), a
+    /// two-source permute putting a row's words 0-3 and 4-7 twice in one vector, then each
+    /// row's low nibbles to the first 32 bytes and its high ones to the last by one variable
+    /// shift.
     ///
     /// # Safety
     /// The CPU has AVX-512 F and BW.
     #[target_feature(enable = "avx512f,avx512bw")]
     pub(super) unsafe fn unpack16_avx512(codes: &[u8], dst: &mut ATile) {
         use std::arch::x86_64::*;
-        assert!(codes.len() >= 512);
-        let p = codes.as_ptr() as *const __m512i;
-        let v: [__m512i; 8] = std::array::from_fn(|w| _mm512_loadu_si512(p.add(w)));
-        // (rows 4L, 4L+1) and (4L+2, 4L+3) of word pairs (0,1), (2,3), (4,5), (6,7)
-        let lo: [__m512i; 4] =
-            std::array::from_fn(|i| _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]));
-        let hi: [__m512i; 4] =
-            std::array::from_fn(|i| _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
-        // q[k] (k < 4): words 0-3 of row 4L + k in lane L; q[k + 4]: its words 4-7
-        let q = [
-            _mm512_unpacklo_epi64(lo[0], lo[1]),
-            _mm512_unpackhi_epi64(lo[0], lo[1]),
-            _mm512_unpacklo_epi64(hi[0], hi[1]),
-            _mm512_unpackhi_epi64(hi[0], hi[1]),
-            _mm512_unpacklo_epi64(lo[2], lo[3]),
-            _mm512_unpackhi_epi64(lo[2], lo[3]),
-            _mm512_unpacklo_epi64(hi[2], hi[3]),
-            _mm512_unpackhi_epi64(hi[2], hi[3]),
-        ];
+        let q = crate::engine::cpu::tile16::transpose_block(codes);
         // the upper 256 bits' 16-bit words shift by 4: their bytes' high nibbles
         const FOURS: i64 = 0x0004_0004_0004_0004;
         let shift = _mm512_set_epi64(FOURS, FOURS, FOURS, FOURS, 0, 0, 0, 0);

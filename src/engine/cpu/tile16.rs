@@ -11,11 +11,11 @@
 //! `s_g · d_b` in f32), so only the f32 additions' order differs from the row kernels.
 //!
 //! The copy is made at load in anonymous memory (2 MiB pages) and kept in a cache file
-//! (`tilecache.rs`) that later starts map. The AMX prompt GEMM (`amx.rs`) reads it too, so
-//! on CPUs with AMX the model's file is read for the norms and the embedding's rows alone:
-//! the copy costs the model's size on disk only. The AVX-512 prompt kernel (`vnni.rs`, Intel
-//! CPUs without AMX) keeps reading the file, so there a run holds both. Rows past the last
-//! whole tile run the row kernel.
+//! (`tilecache.rs`) that later starts map. The prompt GEMMs read it too (`amx.rs`, and
+//! `vnni.rs`'s AVX-512 panels), each block transposed back to rows in registers
+//! (`transpose_block`), so the model's file is read for the norms and the embedding's rows
+//! alone: the copy costs the model's size on disk, not in memory. Rows past the last whole
+//! tile run the row kernels.
 
 use std::path::{Path, PathBuf};
 
@@ -353,6 +353,36 @@ pub fn tile_scalar(w: &Tiles, a: &IntActs, t: usize, out: &mut [f32]) {
         }
         *o = acc + accb;
     }
+}
+
+/// One 64-value block of a tile (its 8 words of 16 rows, 512 bytes at `codes`) transposed
+/// to rows, for the prompt kernels (`amx.rs`, `vnni.rs`): two rounds of in-lane unpacks give
+/// `q[k]` (k < 4), whose 128-bit lane `L` holds words 0-3 of row `4L + k`, and `q[k + 4]`,
+/// its words 4-7: a row's 32 bytes in MLX's layout, in two 16-byte pieces.
+///
+/// # Safety
+/// The CPU has AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(crate) unsafe fn transpose_block(codes: &[u8]) -> [std::arch::x86_64::__m512i; 8] {
+    use std::arch::x86_64::*;
+    assert!(codes.len() >= 8 * 64);
+    let p = codes.as_ptr() as *const __m512i;
+    let v: [__m512i; 8] = std::array::from_fn(|w| _mm512_loadu_si512(p.add(w)));
+    // rows (4L, 4L+1) and (4L+2, 4L+3) of word pairs (0,1), (2,3), (4,5), (6,7)
+    let lo: [__m512i; 4] = std::array::from_fn(|i| _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]));
+    let hi: [__m512i; 4] = std::array::from_fn(|i| _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    [
+        _mm512_unpacklo_epi64(lo[0], lo[1]),
+        _mm512_unpackhi_epi64(lo[0], lo[1]),
+        _mm512_unpacklo_epi64(hi[0], hi[1]),
+        _mm512_unpackhi_epi64(hi[0], hi[1]),
+        _mm512_unpacklo_epi64(lo[2], lo[3]),
+        _mm512_unpackhi_epi64(lo[2], lo[3]),
+        _mm512_unpacklo_epi64(hi[2], hi[3]),
+        _mm512_unpackhi_epi64(hi[2], hi[3]),
+    ]
 }
 
 /// Tiles `tiles` of `w` against activation row 0 of `a` (halves layout, 15-bit with `split`),
