@@ -43,11 +43,12 @@ pub const CACHE_ENV: &str = "BOT_TILE_CACHE";
 const CACHE_MIN: usize = 64 << 20;
 
 /// Whether the CPU engine gives its matrices decode copies for `isa`: only the AVX-512
-/// kernel reads them. `BOT_CPU_LAYOUT=tile16` or `rows` decides; unset, Intel CPUs take them
+/// kernels read them. `BOT_CPU_LAYOUT=tile16` or `rows` decides; unset, Intel CPUs take them
 /// and AMD's do not: on the Xeon (Emerald Rapids, 2 threads) the copy's decode was 7-14%
-/// faster at the 0.6B shape and ~5% at the 8B, on the Zen 5 EPYC within its noise (±5%,
-/// docs/performance.md, twentieth session), which does not pay for a second copy of the
-/// model in memory and on disk.
+/// faster at the 0.6B shape and ~5% at the 8B, and its AMX prompts 30-60% faster at the 8B
+/// (twentieth and twenty-second sessions, docs/performance.md); on the Zen 5 EPYC decode was
+/// within its noise (±5%) and the 8B prompt even, which does not pay for a second copy of the
+/// model on disk and a first start that makes it (~10 s at the 8B).
 pub fn wanted(isa: Isa) -> bool {
     let asked = std::env::var(ENV).unwrap_or_default().to_ascii_lowercase();
     isa.avx512()
