@@ -6,7 +6,7 @@
 //!   cargo run --release --example prompt_gemm [fast|exact] [rounds] [threads] [m] [0.6b|8b] [tile16]
 //!
 //! `8b` times the 8B shape's matrix kinds instead (q, k/v, gate|up, down); `tile16` gives each
-//! matrix its decode copy first (`cpu/tile16.rs`), which the AMX GEMM then reads.
+//! matrix its decode copy first (`cpu/tile16.rs`), which the AMX and AVX-512 VNNI GEMMs then read.
 use std::time::Instant;
 
 use bot::engine::quant::{random, Numerics};

@@ -212,8 +212,9 @@ unsafe fn prepare_tile_avx2(x: &[f32], m: usize, k: usize, j: usize, o: TileActs
     prepare_tile(x, m, k, j, o)
 }
 
-/// Weight rows of one A tile.
+/// Weight rows of one A tile: a tile of the `tile16` copy too (its A tile `i` is the copy's).
 const NT: usize = 16;
+const _: () = assert!(NT == tile16::ROWS);
 
 /// Blocks ahead of the one being unpacked whose bytes a task asks for (each row's next line).
 /// A task's rows are hundreds of streams 32 bytes a block apart, more than the hardware

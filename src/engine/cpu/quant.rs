@@ -35,11 +35,12 @@ pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], kernel: Numerics
     let isa = isa::active();
     // the integer kernels read bf16 scales directly (MLX's default); others use `Exact`
     let int = int_ok(w, isa);
+    let from = gemm_from(&[w]);
     match kernel {
-        Numerics::Fast if m >= GEMM_MIN_ROWS && crate::engine::cpu::amx::usable(w) => {
+        Numerics::Fast if m >= from && crate::engine::cpu::amx::usable(w) => {
             crate::engine::cpu::amx::qgemm(w, x, m, y)
         }
-        Numerics::Fast if m >= GEMM_MIN_ROWS && crate::engine::cpu::vnni::usable(w) => {
+        Numerics::Fast if m >= from && crate::engine::cpu::vnni::usable(w) => {
             crate::engine::cpu::vnni::qgemm(w, x, m, y)
         }
         Numerics::Fast if m >= GEMM_MIN_ROWS && crate::engine::cpu::i8mm::usable(w) => {
@@ -62,6 +63,21 @@ pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], kernel: Numerics
 /// and AVX2 (`vnni.rs`: the same numbers with `vpdpwssd` or `vpmaddwd`) and NEON i8mm
 /// (`i8mm.rs`: with `smmla`).
 pub const GEMM_MIN_ROWS: usize = 8;
+
+/// The rows from which `fast` prompts of `ws` take the prompt GEMM: 2 where each has its
+/// decode copy (`tile16.rs`), which those GEMMs read and the row kernels do not, so that a
+/// short call (a prompt's last chunk of a few tokens) does not read the model's file beside
+/// the copy; `GEMM_MIN_ROWS` otherwise.
+fn gemm_from(ws: &[&QMatrix]) -> usize {
+    let copied = ws
+        .iter()
+        .all(|w| w.cpu_copy.peek::<tile16::Tiles>().is_some());
+    if copied && !ws.is_empty() {
+        2
+    } else {
+        GEMM_MIN_ROWS
+    }
+}
 const TILE_ROWS: usize = 128;
 
 /// Dequantizes weight row `n` into `out` (`scale * q + bias`, as mlx).
@@ -661,7 +677,7 @@ fn int_ok(w: &QMatrix, isa: Isa) -> bool {
 /// AVX-512 VNNI, AVX-VNNI, AVX2 or NEON i8mm) get it without clearing it first (`vnni::shared_outputs`);
 /// others a zeroed one.
 pub fn qmatmul_vec(w: &QMatrix, x: &[f32], m: usize, kernel: Numerics) -> Vec<f32> {
-    if m >= GEMM_MIN_ROWS {
+    if m >= gemm_from(&[w]) {
         if let Some(y) = qmatmul_shared(&[w], x, m, kernel).and_then(|mut ys| ys.pop()) {
             return y;
         }
@@ -689,7 +705,7 @@ pub fn qmatmul_shared(
     if m == 1 {
         return qmatvec_shared(ws, x, kernel);
     }
-    if kernel != Numerics::Fast || m < GEMM_MIN_ROWS {
+    if kernel != Numerics::Fast || m < gemm_from(ws) {
         return None;
     }
     use crate::engine::cpu::{amx, i8mm, vnni};

@@ -11,11 +11,12 @@
 //! `s_g · d_b` in f32), so only the f32 additions' order differs from the row kernels.
 //!
 //! The copy is made at load in anonymous memory (2 MiB pages) and kept in a cache file
-//! (`tilecache.rs`) that later starts map. The prompt GEMMs read it too (`amx.rs`, and
-//! `vnni.rs`'s AVX-512 panels), each block transposed back to rows in registers
-//! (`transpose_block`), so the model's file is read for the norms and the embedding's rows
-//! alone: the copy costs the model's size on disk, not in memory. Rows past the last whole
-//! tile run the row kernels.
+//! (`tilecache.rs`) that later starts map. The `fast` prompt GEMMs read it too (`amx.rs`, and
+//! `vnni.rs`'s AVX-512 panels; from 2 tokens where a matrix has its copy), each block
+//! transposed back to rows in registers (`transpose_block`), so the model's file is read for
+//! the norms and the embedding's rows alone: the copy costs the model's size on disk, not in
+//! memory (`exact` and `int8` prompts and groups of 32 still read the rows). Rows past the
+//! last whole tile run the row kernels.
 
 use std::path::{Path, PathBuf};
 

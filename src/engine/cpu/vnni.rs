@@ -617,6 +617,9 @@ mod simd {
     /// the decode copy: each block transposed once (`tile16::transpose_block`), then each
     /// row's two 16-byte pieces unpacked as `unpack` does MLX's 32 bytes; the group's scales
     /// and biases from after its codes.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, BW and VL.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     #[inline]
     unsafe fn fill_from_copy(
@@ -627,6 +630,9 @@ mod simd {
         r0: usize,
         r1: usize,
     ) {
+        debug_assert!(
+            tile < t.tiles && r0 < r1 && (n0 + r0) / ROWS == tile && (n0 + r1 - 1) / ROWS == tile
+        );
         let (bytes, gb) = (t.tile(tile), t.group_bytes());
         let per_group = (32 << t.gshift) / KB;
         let codes = per_group * KB / 8 * 64;
@@ -1094,6 +1100,46 @@ mod tests {
                     g[whole..].iter().all(|v| *v == 0.0),
                     "gs {gs} token {t}: tail rows"
                 );
+            }
+        }
+    }
+
+    /// Short `fast` calls (2-7 tokens: a prompt's last chunk) of matrices with a copy take
+    /// the prompt GEMM, which reads the copy: with the matrices' own bytes zeroed, `qmatmul`
+    /// and `qmatmul_shared` still give the rows in whole tiles (where the process's set is
+    /// AMX or AVX-512 VNNI, the CPUs that make copies).
+    #[test]
+    fn short_calls_read_the_copy() {
+        use crate::engine::cpu::quant::{qmatmul, qmatmul_shared};
+        use crate::engine::quant::testutil::random_qmatrix;
+        use crate::engine::quant::Numerics;
+        use crate::engine::weights::{Bytes, Dtype};
+        if !isa::active().avx512() {
+            eprintln!("short_calls_read_the_copy: not run, the process's set is not AVX-512");
+            return;
+        }
+        let (rows, k) = (40, 256);
+        let w = random_qmatrix(rows, k, 4, 64, Dtype::BF16, 9);
+        assert!(tile16::attach(&w).is_some());
+        let mut blank = w.clone();
+        blank.packed = Bytes::from_vec(vec![0; w.packed.len()]);
+        blank.scales.bytes = Bytes::from_vec(vec![0; w.scales.bytes.len()]);
+        blank.biases.bytes = Bytes::from_vec(vec![0; w.biases.bytes.len()]);
+        let whole = rows / tile16::ROWS * tile16::ROWS;
+        for m in 2..8 {
+            let (_, x) = crate::engine::cpu::amx::test_case(m, 64, m, k, rows);
+            let mut want = vec![0f32; m * rows];
+            qmatmul(&w, &x, m, &mut want, Numerics::Fast);
+            let mut got = vec![0f32; m * rows];
+            qmatmul(&blank, &x, m, &mut got, Numerics::Fast);
+            let shared = qmatmul_shared(&[&blank, &blank], &x, m, Numerics::Fast)
+                .expect("a shared GEMM for matrices with copies");
+            for t in 0..m {
+                let r = &want[t * rows..][..whole];
+                assert_eq!(&got[t * rows..][..whole], r, "m {m} token {t}");
+                for y in &shared {
+                    assert_eq!(&y[t * rows..][..whole], r, "m {m} token {t}: shared");
+                }
             }
         }
     }
