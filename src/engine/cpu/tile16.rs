@@ -87,7 +87,14 @@ pub fn describe(isa: Isa) -> String {
         return format!("MLX's rows ({why}; {ENV}=tile16 or rows chooses on AVX-512)");
     }
     let cache = match cache_dir() {
-        Some(d) => format!("kept in {}", d.display()),
+        Some(d) => {
+            let (n, bytes) = tilecache::usage(&d);
+            format!(
+                "kept in {} ({n} files, {:.1} GB)",
+                d.display(),
+                bytes as f64 / 1e9
+            )
+        }
         None => "made at every start".into(),
     };
     format!(
@@ -180,7 +187,7 @@ fn prepare_in(
                 path.display()
             )
         } else {
-            match tilecache::store(path, key, &ws, &refs) {
+            match tilecache::store(path, key, model_dir, &ws, &refs) {
                 Ok(()) => format!(
                     "made the CPU decode copy ({mb:.0} MB, {secs:.1} s) and kept it in {} for \
                      later starts ({ENV}=rows turns it off)",

@@ -1,16 +1,17 @@
-//! The decode copies of `tile16.rs` kept on disk, one file per model directory, so that a
-//! start maps them (as it maps the model) instead of making them again.
+//! The decode copies of `tile16.rs` kept on disk, one file per model directory, so that a start
+//! maps them (as it maps the model) instead of making them again.
 //!
-//! A file: `MAGIC`, the header's length (u64 LE), the header (JSON: the key and, per matrix,
-//! its name and where its bytes are), then each matrix's copy at a 4 KiB boundary. The key
-//! is a SHA-256 of the format version and of what the copies are made from (each model file's
-//! stamp as it was opened, `weights::FileStamp`: path, size, modification time and, on Unix,
+//! A file: `MAGIC`, the header's length (u64 LE), the header (JSON: the key, the model directory
+//! and, per matrix, its name and where its bytes are), then each matrix's copy at a 4 KiB boundary.
+//! The key is a SHA-256 of the format version and of what the copies are made from (each model
+//! file's stamp as it was opened, `weights::FileStamp`: path, size, modification time and, on Unix,
 //! device, inode and change time; each matrix's name and shape): a model changed in place or
-//! replaced gets a new copy, written over the old one. Files are written to a temporary name in
-//! the same directory and renamed, so a crash leaves no half file under the real name, and two
-//! `bot`s starting at once each write a whole one (the last rename wins; a process that mapped
-//! the other keeps its own). Nothing here is the user's data: a file that does not check out
-//! is ignored and written again.
+//! replaced gets a new copy, written over the old one. Files are written to a temporary name in the
+//! same directory and renamed, so a crash leaves no half file under the real name, and two `bot`s
+//! starting at once each write a whole one (the last rename wins; a process that mapped the other
+//! keeps its own). Nothing here is the user's data: a file that does not check out is ignored and
+//! written again, and a store removes the files of model directories that are gone (each as large
+//! as its model).
 
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
@@ -71,6 +72,10 @@ fn hex(b: &[u8]) -> String {
 #[derive(Serialize, Deserialize)]
 struct Header {
     key: String,
+    /// The model directory the copies were made for (canonical), so that a later store can
+    /// remove the files of models no longer there; absent in files written before.
+    #[serde(default)]
+    model: Option<String>,
     matrices: Vec<Entry>,
 }
 
@@ -114,16 +119,30 @@ fn parse(bytes: &[u8]) -> Option<(Header, usize)> {
     Some((header, MAGIC.len() + 8 + n))
 }
 
-/// Writes `copies` (one per matrix of `ws`) to `path` under `key`, whole or not at all.
-pub fn store(path: &Path, key: &str, ws: &[&QMatrix], copies: &[&Tiles]) -> io::Result<()> {
+/// Writes `copies` (one per matrix of `ws`, made for the model in `model_dir`) to `path`
+/// under `key`, whole or not at all; then removes the other cache files in its directory
+/// whose model directory is gone (`sweep_orphans`).
+pub fn store(
+    path: &Path,
+    key: &str,
+    model_dir: &Path,
+    ws: &[&QMatrix],
+    copies: &[&Tiles],
+) -> io::Result<()> {
     let dir = path
         .parent()
         .ok_or_else(|| io::Error::other("cache path without a directory"))?;
     std::fs::create_dir_all(dir)?;
+    let model = std::fs::canonicalize(model_dir)
+        .unwrap_or_else(|_| model_dir.to_path_buf())
+        .to_string_lossy()
+        .into_owned();
     // the header's size depends on the offsets: the data starts past its widest form
-    let mut at = (MAGIC.len() + 8 + header_room(key, ws, copies)).next_multiple_of(ALIGN);
+    let room = header_room(key, &model, ws, copies);
+    let mut at = (MAGIC.len() + 8 + room).next_multiple_of(ALIGN);
     let header = Header {
         key: key.to_string(),
+        model: Some(model),
         matrices: ws
             .iter()
             .zip(copies)
@@ -159,7 +178,57 @@ pub fn store(path: &Path, key: &str, ws: &[&QMatrix], copies: &[&Tiles]) -> io::
     tmp.as_file().sync_all()?;
     drop_written_pages(tmp.as_file());
     tmp.persist(path).map_err(|e| e.error)?;
+    sweep_orphans(dir, path);
     Ok(())
+}
+
+/// Removes the cache files in `dir` (but `keep`) made for a model directory that no longer
+/// holds a `config.json`: each is the size of its model, and a model deleted (or a snapshot
+/// replaced by a newer revision) would otherwise leave it there for good. Files written
+/// before the model was recorded, and anything not in this format, are left alone.
+fn sweep_orphans(dir: &Path, keep: &Path) {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let p = e.path();
+        if p == keep || p.extension().is_none_or(|x| x != "tiles") {
+            continue;
+        }
+        let gone = read_header(&p)
+            .and_then(|h| h.model)
+            .is_some_and(|m| !Path::new(&m).join("config.json").is_file());
+        if gone {
+            let _ = std::fs::remove_file(&p);
+        }
+    }
+}
+
+/// A cache file's header, read without reading its data; `None` if it is not one.
+fn read_header(path: &Path) -> Option<Header> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).ok()?;
+    let mut head = [0u8; MAGIC.len() + 8];
+    f.read_exact(&mut head).ok()?;
+    let n = u64::from_le_bytes(head[MAGIC.len()..].try_into().ok()?);
+    // a header lists matrices, a few hundred bytes each: anything larger is not ours
+    if &head[..MAGIC.len()] != MAGIC || n > 16 << 20 {
+        return None;
+    }
+    let mut text = vec![0u8; n as usize];
+    f.read_exact(&mut text).ok()?;
+    serde_json::from_slice(&text).ok()
+}
+
+/// The cache files in `dir` and their total size in bytes (`bot doctor`).
+pub fn usage(dir: &Path) -> (usize, u64) {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return (0, 0);
+    };
+    rd.flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "tiles"))
+        .filter_map(|e| e.metadata().ok())
+        .fold((0, 0), |(n, b), m| (n + 1, b + m.len()))
 }
 
 /// Asks the kernel to drop the file's pages from the page cache (Linux; written and synced,
@@ -200,9 +269,10 @@ fn sweep_stale_temporaries(dir: &Path) {
 }
 
 /// An upper bound on the header's size: every offset written at its widest.
-fn header_room(key: &str, ws: &[&QMatrix], copies: &[&Tiles]) -> usize {
+fn header_room(key: &str, model: &str, ws: &[&QMatrix], copies: &[&Tiles]) -> usize {
     let widest = Header {
         key: key.to_string(),
+        model: Some(model.to_string()),
         matrices: ws
             .iter()
             .zip(copies)
@@ -271,7 +341,7 @@ mod tests {
         let copies: Vec<Tiles> = ws.iter().map(|w| Tiles::of(w).expect("copy")).collect();
         let crefs: Vec<&Tiles> = copies.iter().collect();
         let path = dir.path().join("sub").join("m.tiles");
-        store(&path, "k1", &refs, &crefs).expect("store");
+        store(&path, "k1", dir.path(), &refs, &crefs).expect("store");
         let back = load(&path, "k1", &refs).expect("maps back");
         for (a, b) in back.iter().zip(&copies) {
             assert_eq!(a.bytes(), b.bytes());
@@ -294,7 +364,7 @@ mod tests {
         std::fs::write(&path, b"not a cache file at all").expect("write");
         assert!(load(&path, "k1", &refs).is_none(), "foreign");
         // written again over the bad one, whole
-        store(&path, "k1", &refs, &crefs).expect("store again");
+        store(&path, "k1", dir.path(), &refs, &crefs).expect("store again");
         assert!(load(&path, "k1", &refs).is_some());
         let names: Vec<_> = std::fs::read_dir(path.parent().expect("dir"))
             .expect("ls")
@@ -317,8 +387,61 @@ mod tests {
             .open(&stale)
             .and_then(|h| h.set_modified(two_hours))
             .expect("set mtime");
-        store(&path, "k1", &refs, &crefs).expect("store");
+        store(&path, "k1", dir.path(), &refs, &crefs).expect("store");
         assert!(!stale.exists() && fresh.exists());
+    }
+
+    /// Storing a model's copies removes the cache files of model directories gone (no
+    /// `config.json`), and nothing else: another model's, a file from before the model was
+    /// recorded, a foreign file, a file of another kind.
+    #[test]
+    fn a_store_sweeps_the_files_of_models_gone() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let model = |name: &str| {
+            let d = root.path().join(name);
+            std::fs::create_dir_all(&d).expect("mkdir");
+            std::fs::write(d.join("config.json"), b"{}").expect("write");
+            d
+        };
+        let (a, b, c) = (model("a"), model("b"), model("c"));
+        let cache = root.path().join("tiles");
+        let ws = mats();
+        let refs: Vec<&QMatrix> = ws.iter().collect();
+        let copies: Vec<Tiles> = ws.iter().map(|w| Tiles::of(w).expect("copy")).collect();
+        let crefs: Vec<&Tiles> = copies.iter().collect();
+        for m in [&b, &c] {
+            store(&file_for(&cache, m), "k", m, &refs, &crefs).expect("store");
+        }
+        let mut old = MAGIC.to_vec();
+        let text = br#"{"key":"k","matrices":[]}"#;
+        old.extend((text.len() as u64).to_le_bytes());
+        old.extend(text);
+        std::fs::write(cache.join("old.tiles"), &old).expect("write");
+        std::fs::write(cache.join("junk.tiles"), b"not ours").expect("write");
+        std::fs::write(cache.join("notes.txt"), b"mine").expect("write");
+        std::fs::remove_dir_all(&c).expect("rm model c");
+        assert!(file_for(&cache, &c).exists());
+        store(&file_for(&cache, &a), "k", &a, &refs, &crefs).expect("store");
+        assert!(
+            !file_for(&cache, &c).exists(),
+            "the gone model's file is swept"
+        );
+        for kept in [
+            file_for(&cache, &a),
+            file_for(&cache, &b),
+            cache.join("old.tiles"),
+            cache.join("junk.tiles"),
+            cache.join("notes.txt"),
+        ] {
+            assert!(kept.exists(), "{} kept", kept.display());
+        }
+        let (n, bytes) = usage(&cache);
+        assert_eq!(n, 4, "a, b, old and junk");
+        assert!(bytes > 2 * copies.iter().map(|t| t.nbytes() as u64).sum::<u64>());
+        assert!(
+            load(&file_for(&cache, &b), "k", &refs).is_some(),
+            "b's still loads"
+        );
     }
 
     /// The key of the file at `f` as opened now.
