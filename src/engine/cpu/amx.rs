@@ -389,10 +389,7 @@ fn task_body(tiles: &mut impl Tiles, ctx: &Ctx, i0: usize, i1: usize) {
     let mut acc = vec![[0f32; TT]; mt * nt * NT];
     // Intel's CPUs decode from a copy 16 rows interleaved (`tile16.rs`); where a task's A
     // tiles are its whole tiles, they are unpacked from it, so the model's file is not read
-    let copy = w
-        .cpu_copy
-        .peek::<tile16::Tiles>()
-        .filter(|t| gs >= KB && t.gpr * gs == w.cols);
+    let copy = vnni::copy_of(w);
     for kb in 0..kbs {
         let g = kb * KB / gs;
         for i in 0..nt {
@@ -867,14 +864,51 @@ pub(crate) fn assert_within_rounding(
     (want, max)
 }
 
+/// Asserts that `got` (m x rows), computed from a matrix blanked but for its `tile16` copy
+/// (`testutil::blanked`), has `want`'s bits for every row of a whole tile and zeros for the
+/// tail rows (which read the blanked matrix). Also `vnni.rs`'s.
+#[cfg(test)]
+pub(crate) fn assert_read_from_copy(got: &[f32], want: &[f32], m: usize, rows: usize, what: &str) {
+    let whole = rows / tile16::ROWS * tile16::ROWS;
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for t in 0..m {
+        let (g, r) = (&got[t * rows..][..rows], &want[t * rows..][..rows]);
+        assert_eq!(
+            bits(&g[..whole]),
+            bits(&r[..whole]),
+            "{what} token {t}: whole tiles"
+        );
+        assert!(
+            g[whole..].iter().all(|v| *v == 0.0),
+            "{what} token {t}: tail rows"
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::engine::quant::testutil::random_qmatrix;
-    use crate::engine::weights::{Bytes, Dtype};
+    use crate::engine::weights::Dtype;
 
     fn soft(w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
         soft_gemm(w, x, m)
+    }
+
+    /// The GEMM on the hardware tiles; the caller checks `Isa::Amx.supported()`.
+    #[cfg(target_arch = "x86_64")]
+    fn hardware(w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
+        let mut y = vec![f32::NAN; m * w.rows];
+        run(
+            &[w],
+            x,
+            m,
+            // SAFETY: the kernel stores only computed f32 sums.
+            &mut [unsafe { vnni::as_uninit(&mut y[..]) }],
+            // SAFETY: the caller checked that AMX (with AVX-512) is supported and granted.
+            |ctx, p0, p1| unsafe { hw::task(ctx, p0, p1) },
+        );
+        y
     }
 
     /// The tile logic (layout, split, per-block scaling, row and token tails, the two slots)
@@ -902,16 +936,7 @@ mod tests {
             );
             #[cfg(target_arch = "x86_64")]
             if hw {
-                let mut on_hw = vec![f32::NAN; m * rows];
-                // SAFETY: AMX (with AVX-512) is supported and granted here.
-                run(
-                    &[&w],
-                    &x,
-                    m,
-                    // SAFETY: the kernel stores only computed f32 sums.
-                    &mut [unsafe { vnni::as_uninit(&mut on_hw[..]) }],
-                    |ctx, p0, p1| unsafe { hw::task(ctx, p0, p1) },
-                );
+                let on_hw = hardware(&w, &x, m);
                 // (no FMA contraction in Rust: the AVX-512 build of the f32 steps rounds alike)
                 for (i, (a, b)) in on_hw.iter().zip(&got).enumerate() {
                     assert_eq!(a.to_bits(), b.to_bits(), "gs {gs} m {m} k {k}: element {i}");
@@ -987,36 +1012,11 @@ mod tests {
                 bits(&want),
                 "gs {gs} m {m} k {k} rows {rows}: with the copy"
             );
-            let mut blank = w.clone();
-            blank.packed = Bytes::from_vec(vec![0; w.packed.len()]);
-            blank.scales.bytes = Bytes::from_vec(vec![0; w.scales.bytes.len()]);
-            blank.biases.bytes = Bytes::from_vec(vec![0; w.biases.bytes.len()]);
-            let whole = rows / NT * NT;
-            let from_copy = soft(&blank, &x, m);
-            for t in 0..m {
-                let (g, r) = (&from_copy[t * rows..][..rows], &want[t * rows..][..rows]);
-                assert_eq!(
-                    bits(&g[..whole]),
-                    bits(&r[..whole]),
-                    "gs {gs} token {t}: whole tiles"
-                );
-                assert!(
-                    g[whole..].iter().all(|v| *v == 0.0),
-                    "gs {gs} token {t}: tail rows"
-                );
-            }
+            let blank = crate::engine::quant::testutil::blanked(&w);
+            assert_read_from_copy(&soft(&blank, &x, m), &want, m, rows, &format!("gs {gs}"));
             #[cfg(target_arch = "x86_64")]
             if Isa::Amx.supported() {
-                let mut on_hw = vec![f32::NAN; m * rows];
-                run(
-                    &[&w],
-                    &x,
-                    m,
-                    // SAFETY: the kernel stores only computed f32 sums.
-                    &mut [unsafe { vnni::as_uninit(&mut on_hw[..]) }],
-                    // SAFETY: AMX (with AVX-512) is supported and granted here.
-                    |ctx, p0, p1| unsafe { hw::task(ctx, p0, p1) },
-                );
+                let on_hw = hardware(&w, &x, m);
                 assert_eq!(
                     bits(&on_hw),
                     bits(&want),

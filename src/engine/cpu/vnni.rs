@@ -283,9 +283,10 @@ impl Panel {
 }
 
 /// The decode copy of `w` (`tile16.rs`, 16 rows interleaved a word at a time; Intel's CPUs
-/// with AVX-512) where it can fill panels: groups of 64 or 128. The AVX-512 panels read their
-/// rows' whole tiles from it, so prompts do not read the model's file beside it.
-fn copy_of(w: &QMatrix) -> Option<&tile16::Tiles> {
+/// with AVX-512) where the prompt GEMMs take it: groups of 64 or 128. The AVX-512 panels
+/// (and `amx.rs`'s tiles) read their rows' whole tiles from it, so prompts do not read the
+/// model's file beside it.
+pub(crate) fn copy_of(w: &QMatrix) -> Option<&tile16::Tiles> {
     let gs = w.params.group_size;
     w.cpu_copy
         .peek::<tile16::Tiles>()
@@ -636,7 +637,6 @@ mod simd {
         let (bytes, gb) = (t.tile(tile), t.group_bytes());
         let per_group = (32 << t.gshift) / KB;
         let codes = per_group * KB / 8 * 64;
-        let mask = _mm512_set1_epi32(0x000f_000f);
         let mut q = [[0u8; 64]; 8];
         let mut kb = 0;
         for piece in bytes.chunks_exact(gb) {
@@ -652,15 +652,7 @@ mod simd {
                     let at = kb * R + r;
                     let dst = &mut p.q[at * PAIRS..][..PAIRS];
                     // words 0-3 (the row's bytes 0-15), then words 4-7
-                    for (i, src) in [&q[k][16 * l..], &q[k + 4][16 * l..]]
-                        .into_iter()
-                        .enumerate()
-                    {
-                        let d = _mm512_cvtepu8_epi32(_mm_loadu_si128(src.as_ptr() as *const _));
-                        let v =
-                            _mm512_ternarylogic_epi32::<0xA8>(d, _mm512_slli_epi32::<12>(d), mask);
-                        _mm512_storeu_si512(dst.as_mut_ptr().add(16 * i) as *mut _, v);
-                    }
+                    unpack_halves([&q[k][16 * l..], &q[k + 4][16 * l..]], dst);
                     (p.s[at], p.b[at]) = (bf16_at(sb, lane), bf16_at(sb, ROWS + lane));
                 }
                 kb += 1;
@@ -672,10 +664,19 @@ mod simd {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     #[inline]
     pub(super) unsafe fn unpack(src: &[u8], dst: &mut [i32]) {
-        assert!(src.len() >= 32 && dst.len() >= 32);
+        assert!(src.len() >= 32);
+        unpack_halves([&src[..16], &src[16..]], dst)
+    }
+
+    /// `unpack` of 32 bytes held as two 16-byte pieces (a row's in the decode copy's
+    /// transpose, `fill_from_copy`).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline]
+    unsafe fn unpack_halves(halves: [&[u8]; 2], dst: &mut [i32]) {
+        assert!(halves.iter().all(|h| h.len() >= 16) && dst.len() >= 32);
         let mask = _mm512_set1_epi32(0x000f_000f);
-        for h in 0..2 {
-            let d = _mm512_cvtepu8_epi32(_mm_loadu_si128(src.as_ptr().add(16 * h) as *const _));
+        for (h, src) in halves.into_iter().enumerate() {
+            let d = _mm512_cvtepu8_epi32(_mm_loadu_si128(src.as_ptr() as *const _));
             // (d | d << 12) & 0x000f000f: the low nibble stays, the high one moves to bit 16
             let v = _mm512_ternarylogic_epi32::<0xA8>(d, _mm512_slli_epi32::<12>(d), mask);
             _mm512_storeu_si512(dst.as_mut_ptr().add(16 * h) as *mut _, v);
@@ -1046,7 +1047,7 @@ mod tests {
     #[test]
     fn gemm_reads_the_copy() {
         use crate::engine::quant::testutil::random_qmatrix;
-        use crate::engine::weights::{Bytes, Dtype};
+        use crate::engine::weights::Dtype;
         let here: Vec<Isa> = [Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2]
             .into_iter()
             .filter(|i| i.supported())
@@ -1083,24 +1084,10 @@ mod tests {
             if !here.contains(&Isa::Avx512Vnni) {
                 continue;
             }
-            let mut blank = w.clone();
-            blank.packed = Bytes::from_vec(vec![0; w.packed.len()]);
-            blank.scales.bytes = Bytes::from_vec(vec![0; w.scales.bytes.len()]);
-            blank.biases.bytes = Bytes::from_vec(vec![0; w.biases.bytes.len()]);
+            let blank = crate::engine::quant::testutil::blanked(&w);
             let got = gemm(Isa::Avx512Vnni, &blank, &x, m);
-            let whole = rows / tile16::ROWS * tile16::ROWS;
-            for t in 0..m {
-                let (g, r) = (&got[t * rows..][..rows], &want[0][t * rows..][..rows]);
-                assert_eq!(
-                    bits(&g[..whole]),
-                    bits(&r[..whole]),
-                    "gs {gs} token {t}: whole tiles"
-                );
-                assert!(
-                    g[whole..].iter().all(|v| *v == 0.0),
-                    "gs {gs} token {t}: tail rows"
-                );
-            }
+            let what = format!("gs {gs}");
+            crate::engine::cpu::amx::assert_read_from_copy(&got, &want[0], m, rows, &what);
         }
     }
 
@@ -1113,7 +1100,7 @@ mod tests {
         use crate::engine::cpu::quant::{qmatmul, qmatmul_shared};
         use crate::engine::quant::testutil::random_qmatrix;
         use crate::engine::quant::Numerics;
-        use crate::engine::weights::{Bytes, Dtype};
+        use crate::engine::weights::Dtype;
         if !isa::active().avx512() {
             eprintln!("short_calls_read_the_copy: not run, the process's set is not AVX-512");
             return;
@@ -1121,10 +1108,7 @@ mod tests {
         let (rows, k) = (40, 256);
         let w = random_qmatrix(rows, k, 4, 64, Dtype::BF16, 9);
         assert!(tile16::attach(&w).is_some());
-        let mut blank = w.clone();
-        blank.packed = Bytes::from_vec(vec![0; w.packed.len()]);
-        blank.scales.bytes = Bytes::from_vec(vec![0; w.scales.bytes.len()]);
-        blank.biases.bytes = Bytes::from_vec(vec![0; w.biases.bytes.len()]);
+        let blank = crate::engine::quant::testutil::blanked(&w);
         let whole = rows / tile16::ROWS * tile16::ROWS;
         for m in 2..8 {
             let (_, x) = crate::engine::cpu::amx::test_case(m, 64, m, k, rows);

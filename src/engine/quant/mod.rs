@@ -401,4 +401,15 @@ pub(crate) mod testutil {
             })
             .collect()
     }
+
+    /// `w` with its own codes, scales and biases zeroed, sharing its copies (`cpu_copy`): a
+    /// kernel that gives `w`'s outputs from it read them from a copy.
+    pub fn blanked(w: &super::QMatrix) -> super::QMatrix {
+        use crate::engine::weights::Bytes;
+        let mut b = w.clone();
+        b.packed = Bytes::from_vec(vec![0; w.packed.len()]);
+        b.scales.bytes = Bytes::from_vec(vec![0; w.scales.bytes.len()]);
+        b.biases.bytes = Bytes::from_vec(vec![0; w.biases.bytes.len()]);
+        b
+    }
 }
