@@ -71,6 +71,36 @@ impl<'a> ParamView<'a> {
         self.bytes
     }
 
+    /// Values `start..start + out.len()` into `out`: the dtype matched once, not per value
+    /// as `get` does (a kernel's per-row fill).
+    #[inline]
+    pub fn read_into(&self, start: usize, out: &mut [f32]) {
+        // as `get`: bf16 or f16, else f32 (the loader admits no other dtype here)
+        let w = if matches!(self.dtype, Dtype::BF16 | Dtype::F16) {
+            2
+        } else {
+            4
+        };
+        let b = &self.bytes[start * w..][..out.len() * w];
+        match self.dtype {
+            Dtype::BF16 => {
+                for (o, c) in out.iter_mut().zip(b.chunks_exact(2)) {
+                    *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
+                }
+            }
+            Dtype::F16 => {
+                for (o, c) in out.iter_mut().zip(b.chunks_exact(2)) {
+                    *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+            _ => {
+                for (o, c) in out.iter_mut().zip(b.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+        }
+    }
+
     #[inline(always)]
     pub fn get(&self, i: usize) -> f32 {
         let b = self.bytes;
@@ -411,5 +441,31 @@ pub(crate) mod testutil {
         b.scales.bytes = Bytes::from_vec(vec![0; w.scales.bytes.len()]);
         b.biases.bytes = Bytes::from_vec(vec![0; w.biases.bytes.len()]);
         b
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testutil::random_qmatrix;
+    use crate::engine::weights::Dtype;
+
+    #[test]
+    fn read_into_gives_get_values() {
+        for (i, dt) in [Dtype::BF16, Dtype::F16, Dtype::F32]
+            .into_iter()
+            .enumerate()
+        {
+            let w = random_qmatrix(5, 256, 4, 64, dt, i as u64 + 3);
+            let v = w.scales.view();
+            let n = 5 * 4;
+            for start in [0, 1, 7, n - 4] {
+                let mut out = vec![f32::NAN; 4];
+                v.read_into(start, &mut out);
+                let want: Vec<u32> = (start..start + 4).map(|j| v.get(j).to_bits()).collect();
+                let got: Vec<u32> = out.iter().map(|x| x.to_bits()).collect();
+                assert_eq!(got, want, "{dt:?} from {start}");
+                assert!(out.iter().any(|&x| x != 0.0), "{dt:?}: all zero");
+            }
+        }
     }
 }
