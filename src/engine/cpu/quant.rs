@@ -20,7 +20,6 @@ use rayon::prelude::*;
 
 use crate::engine::cpu::isa::{self, Isa};
 use crate::engine::cpu::team;
-#[cfg(target_arch = "x86_64")]
 use crate::engine::cpu::tile16;
 use crate::engine::quant::{Numerics, ParamView, QMatrix};
 use crate::engine::weights::Dtype;

@@ -6,11 +6,11 @@
 
 use std::arch::x86_64::*;
 
-use super::{prefetch_rows, softmax_avx2, sum4, KvElem, Lanes, AHEAD};
+use super::{exp_sum_avx2, prefetch_rows, sum4, KvElem, Lanes, AHEAD};
 
 pub(super) struct Avx512;
 
-lanes!(Avx512, softmax_avx2);
+lanes!(Avx512, exp_sum_avx2);
 
 /// Sixteen cached values at `p` as f32: widened from f16, or loaded.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]

@@ -14,9 +14,9 @@ use crate::engine::cpu::quant::dot;
 use crate::engine::cpu::team;
 
 /// `impl Lanes for $set`: the `scores2` and `pv2` in scope where it expands (each module's own),
-/// and `$softmax`. (Defined before the kernel modules, which expand it too.)
+/// and `$exp_sum`. (Defined before the kernel modules, which expand it too.)
 macro_rules! lanes {
-    ($set:ident, $softmax:path) => {
+    ($set:ident, $exp_sum:path) => {
         impl Lanes for $set {
             #[inline(always)]
             unsafe fn scores2<E: KvElem, const P: bool>(
@@ -32,8 +32,8 @@ macro_rules! lanes {
                 scores2::<E, P>(qa, qb, kp, hd, visible, scale, sa, sb)
             }
             #[inline(always)]
-            unsafe fn softmax(s: &mut [f32]) {
-                $softmax(s)
+            unsafe fn exp_sum(s: &mut [f32]) -> f32 {
+                $exp_sum(s)
             }
             #[inline(always)]
             unsafe fn pv2<E: KvElem, const P: bool>(
@@ -54,6 +54,7 @@ macro_rules! lanes {
 mod avx512;
 #[cfg(target_arch = "aarch64")]
 mod neon;
+mod prompt;
 
 /// A value of the KV cache: f32, or f16 for half the bytes. A decode step reads the whole
 /// cache of every layer (at the 0.6B shape 229 KB a position in f32: ~22 MB a token at 96
@@ -491,8 +492,15 @@ fn attend_with<E: KvElem>(
             offset,
             scale,
         };
+        let prompt = l >= prompt::MIN_TOKENS;
         // SAFETY (each arm): the CPU has the set (`Walk::best` or the caller checked it).
         match simd {
+            #[cfg(target_arch = "x86_64")]
+            Walk::Avx512 if prompt && hd % 16 == 0 => unsafe { grp.prompt_avx512(o) },
+            #[cfg(target_arch = "x86_64")]
+            Walk::Avx512 | Walk::Avx2 if prompt && hd % 8 == 0 => unsafe { grp.prompt_avx2(o) },
+            #[cfg(target_arch = "aarch64")]
+            Walk::Neon if prompt && hd % 4 == 0 => unsafe { grp.prompt_neon(o) },
             #[cfg(target_arch = "x86_64")]
             Walk::Avx512 if hd % 16 == 0 => unsafe { grp.run_avx512(o) },
             #[cfg(target_arch = "x86_64")]
@@ -575,6 +583,30 @@ impl<E: KvElem> Group<'_, E> {
     #[target_feature(enable = "neon")]
     unsafe fn run_neon(&self, o: &mut [f32]) {
         self.walk::<neon::Neon>(o)
+    }
+
+    /// A prompt's attention in blocked products (`prompt.rs`) in 16 lanes: scores 6 rows x 4
+    /// vectors of keys, outputs 4 rows x 4 vectors (`hd` a multiple of 16).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn prompt_avx512(&self, o: &mut [f32]) {
+        prompt::run::<avx512::Avx512, E, 16, 6, 4, 6, 4>(self, o)
+    }
+
+    /// `prompt_avx512` in 8 lanes (16 registers): scores 4 x 2, outputs 2 x 4 (`hd` a multiple
+    /// of 8).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn prompt_avx2(&self, o: &mut [f32]) {
+        prompt::run::<Avx2, E, 8, 4, 2, 2, 4>(self, o)
+    }
+
+    /// `prompt_avx512` in NEON's 4 lanes (32 registers): scores 6 x 4, outputs 4 x 4 (`hd` a
+    /// multiple of 4).
+    #[cfg(target_arch = "aarch64")]
+    #[target_feature(enable = "neon")]
+    unsafe fn prompt_neon(&self, o: &mut [f32]) {
+        prompt::run::<neon::Neon, E, 4, 6, 4, 4, 4>(self, o)
     }
 
     /// The vector walk of `run_avx2` and `run_neon` with `K`'s kernels, inlined into each.
@@ -697,8 +729,15 @@ trait Lanes {
         sa: &mut [f32],
         sb: &mut [f32],
     );
-    /// `softmax` in place.
-    unsafe fn softmax(s: &mut [f32]);
+    /// `s[t] = exp(s[t] - max)` in place; returns their sum (`softmax` before its division).
+    unsafe fn exp_sum(s: &mut [f32]) -> f32;
+    /// `softmax` in place: `exp_sum`, then each value over the sum (IEEE division, the same
+    /// bits in any lane).
+    #[inline(always)]
+    unsafe fn softmax(s: &mut [f32]) {
+        let sum = Self::exp_sum(s);
+        s.iter_mut().for_each(|v| *v /= sum);
+    }
     /// `oa = Σ_t pa[t]·v_t` and, with `P`, `ob = Σ_t pb[t]·v_t`.
     unsafe fn pv2<E: KvElem, const P: bool>(
         pa: &[f32],
@@ -715,11 +754,18 @@ trait Lanes {
 struct Avx2;
 
 #[cfg(target_arch = "x86_64")]
-lanes!(Avx2, softmax_avx2);
+lanes!(Avx2, exp_sum_avx2);
 
 /// `s` -> softmax(s) in place: `exp(s - max) / Σ`.
 #[inline(always)]
 fn softmax(s: &mut [f32]) {
+    let sum = exp_sum(s);
+    s.iter_mut().for_each(|v| *v /= sum);
+}
+
+/// `s[t] = exp(s[t] - max)`; returns their sum.
+#[inline(always)]
+fn exp_sum(s: &mut [f32]) -> f32 {
     let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
     let mut sum = 0f32;
     for v in s.iter_mut() {
@@ -727,7 +773,7 @@ fn softmax(s: &mut [f32]) {
         *v = crate::engine::sample::exp_neg(*v - max);
         sum += *v;
     }
-    s.iter_mut().for_each(|v| *v /= sum);
+    sum
 }
 
 /// Rows this far ahead of the one in use are prefetched (4 KiB of f16 rows at head dim 128).
@@ -899,13 +945,13 @@ unsafe fn pv_block<E: KvElem, const P: bool, const W: usize>(
     }
 }
 
-/// `softmax` eight lanes at a time, with the samplers' `exp_neg` in AVX2 (the same bits as the
+/// `exp_sum` eight lanes at a time, with the samplers' `exp_neg` in AVX2 (the same bits as the
 /// scalar one); the sum is taken in eight lanes. A prompt of 64 tokens computes ~33k of these
 /// exps a layer at the 0.6B shape, a decode step at 190 positions ~3k.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn softmax_avx2(s: &mut [f32]) {
+unsafe fn exp_sum_avx2(s: &mut [f32]) -> f32 {
     use crate::engine::cpu::sample::avx2::exp_neg8;
     use std::arch::x86_64::*;
     let n = s.len();
@@ -934,13 +980,7 @@ unsafe fn softmax_avx2(s: &mut [f32]) {
         *v = crate::engine::sample::exp_neg(*v - max);
         sum += *v;
     }
-    let d = _mm256_set1_ps(sum);
-    for i in (0..whole).step_by(8) {
-        _mm256_storeu_ps(p.add(i), _mm256_div_ps(_mm256_loadu_ps(p.add(i)), d));
-    }
-    for v in &mut s[whole..] {
-        *v /= sum;
-    }
+    sum
 }
 
 /// The sum of the eight lanes of `a`.
@@ -1081,7 +1121,8 @@ mod tests {
     }
 
     /// Prefill then decode steps against the reference with the per-head cache, for 2, 4 and 3
-    /// query heads a KV head (heads go in pairs, and one alone), then a truncated cache decoding again: |Δ| ≤ 1e-5. Norm weights of
+    /// query heads a KV head (heads go in pairs, and one alone), then a truncated cache decoding
+    /// again, then long prompts (the blocked path) and a decode after them: |Δ| ≤ 1e-5. Norm weights of
     /// one and a zero angle make norm + RoPE a plain RMS normalization, applied here to the
     /// reference's inputs too.
     #[test]
@@ -1111,7 +1152,7 @@ mod tests {
         let mut kernels: Vec<(&str, Kernel)> = Vec::new();
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            kernels.push(("avx2", softmax_avx2));
+            kernels.push(("avx2", <Avx2 as Lanes>::softmax));
         }
         #[cfg(target_arch = "aarch64")]
         kernels.push(("neon", <neon::Neon as Lanes>::softmax));
@@ -1176,8 +1217,8 @@ mod tests {
             };
             let (w, cos, sin) = (
                 vec![1f32; hd],
-                vec![1f32; 64 * hd / 2],
-                vec![0f32; 64 * hd / 2],
+                vec![1f32; 128 * hd / 2],
+                vec![0f32; 128 * hd / 2],
             );
             let val = |n: usize, seed: usize| -> Vec<f32> {
                 (0..n)
@@ -1186,7 +1227,14 @@ mod tests {
             };
             let mut kv = Heads::<E>::default();
             let (mut keys, mut values) = (Vec::new(), Vec::new());
-            for (step, l) in [5usize, 1, 1, 3, 13].into_iter().enumerate() {
+            // steps of 99 take the blocked prompt path (`prompt.rs`) where the walk has one:
+            // from an empty cache, then at an offset (a thread after a cached prefix)
+            for (step, l) in [5usize, 1, 1, 3, 13, 99, 99, 1].into_iter().enumerate() {
+                if step == 5 {
+                    kv.clear();
+                    keys.clear();
+                    values.clear();
+                }
                 if step == 3 {
                     kv.truncate(4, hd);
                     keys.truncate(4 * nkv * hd);

@@ -16,7 +16,7 @@ use crate::engine::sample::exp_neg;
 
 pub(super) struct Neon;
 
-lanes!(Neon, softmax);
+lanes!(Neon, exp_sum);
 
 /// Eight cached values at `p` as two f32 vectors: widened from f16, or loaded.
 #[target_feature(enable = "neon")]
@@ -195,11 +195,11 @@ unsafe fn pv_block<E: KvElem, const P: bool, const W: usize>(
     }
 }
 
-/// `softmax` four lanes at a time, with `exp_neg` in four lanes (the same bits as the scalar
+/// `exp_sum` four lanes at a time, with `exp_neg` in four lanes (the same bits as the scalar
 /// one); the sum is taken in four lanes.
 #[target_feature(enable = "neon")]
 #[inline]
-unsafe fn softmax(s: &mut [f32]) {
+unsafe fn exp_sum(s: &mut [f32]) -> f32 {
     let n = s.len();
     let p = s.as_mut_ptr();
     let whole = n & !3;
@@ -220,11 +220,5 @@ unsafe fn softmax(s: &mut [f32]) {
         *v = exp_neg(*v - max);
         sum += *v;
     }
-    let d = vdupq_n_f32(sum);
-    for i in (0..whole).step_by(4) {
-        vst1q_f32(p.add(i), vdivq_f32(vld1q_f32(p.add(i)), d));
-    }
-    for v in &mut s[whole..] {
-        *v /= sum;
-    }
+    sum
 }
