@@ -33,7 +33,7 @@ pub(super) unsafe fn run<
 >(
     g: &Group<E>,
     o: &mut [f32],
-) {
+) -> bool {
     let (hd, l, t_max) = (g.hd, g.l, g.offset + g.l);
     debug_assert!(hd % W == 0 && l > 0);
     // keys padded to whole vectors (scores computed there are never read)
@@ -50,6 +50,7 @@ pub(super) unsafe fn run<
     sc.s.resize(TILES * QR * tp, 0.0);
     sc.blk.resize(16 * hd, 0.0);
     sc.spare.resize(hd, 0.0);
+    let done;
     {
         let Scratch {
             kt,
@@ -58,9 +59,10 @@ pub(super) unsafe fn run<
             blk,
             spare,
         } = &mut sc;
-        fill_run::<K, E, W, QR, NK, PR, DV>(g, o, tp, kt, vf, s, blk, spare);
+        done = fill_run::<K, E, W, QR, NK, PR, DV>(g, o, tp, kt, vf, s, blk, spare);
     }
     SCRATCH.set(sc);
+    done
 }
 
 /// Per-thread buffers of `run`.
@@ -98,7 +100,7 @@ unsafe fn fill_run<
     s: &mut [f32],
     blk: &mut [f32],
     spare: &mut [f32],
-) {
+) -> bool {
     let Group {
         q,
         keys,
@@ -128,11 +130,20 @@ unsafe fn fill_run<
         }
     }
     E::load(&values[..t_max * hd], vf);
+    // a row's masked positions are multiplied in with a weight of 0, and 0 x inf or NaN is
+    // NaN: a non-finite value would reach earlier tokens' outputs, so such a task is left to
+    // the walk (which reads only each query's visible values; nothing written to `o` yet)
+    if !vf[..t_max * hd].iter().fold(true, |a, x| a & x.is_finite()) {
+        return false;
+    }
     // `QR` rows of scores; a row (r, i) is query head h0 + r at new token i
     let rows = rep * l;
     let qrow = |rho: usize| q.as_ptr().add(((rho % l) * nh + h0 + rho / l) * hd);
     let visible = |rho: usize| offset + rho % l + 1;
     let op = o.as_mut_ptr();
+    // every row's pointer from these one borrow each (a new `as_mut_ptr` would invalidate
+    // the pointers made before it under stacked borrows)
+    let (sb, spb) = (s.as_mut_ptr(), spare.as_mut_ptr());
     let block = TILES * QR;
     let mut sums = vec![1f32; block];
     for rho0 in (0..rows).step_by(block) {
@@ -147,8 +158,7 @@ unsafe fn fill_run<
             let nvc = NK.min(nv - v0);
             for k0 in (0..n).step_by(QR) {
                 let qp: [*const f32; QR] = std::array::from_fn(|k| qrow(rho0 + last(k0 + k)));
-                let sp: [*mut f32; QR] =
-                    std::array::from_fn(|k| s.as_mut_ptr().add(last(k0 + k) * tp));
+                let sp: [*mut f32; QR] = std::array::from_fn(|k| sb.add(last(k0 + k) * tp));
                 if nvc == NK {
                     scores::<W, QR, NK>(qp, kt.as_ptr(), tp, v0 * W, hd, scale, sp);
                 } else {
@@ -162,7 +172,7 @@ unsafe fn fill_run<
         // the exps and their sums; each output is divided by its row's sum at the end (a
         // pass over D values, not over the row's keys)
         for (k, sum) in sums.iter_mut().enumerate().take(n) {
-            let sr = &mut s[k * tp..][..vmax];
+            let sr = std::slice::from_raw_parts_mut(sb.add(k * tp), vmax);
             let vis = visible(rho0 + k);
             *sum = K::exp_sum(&mut sr[..vis]);
             sr[vis..].fill(0.0);
@@ -171,12 +181,12 @@ unsafe fn fill_run<
             let nt = TC.min(vmax - t0);
             for k0 in (0..n).step_by(PR) {
                 let pp: [*const f32; PR] =
-                    std::array::from_fn(|k| s.as_ptr().add(last(k0 + k) * tp + t0));
+                    std::array::from_fn(|k| sb.add(last(k0 + k) * tp + t0).cast_const());
                 let dst: [*mut f32; PR] = std::array::from_fn(|k| {
                     if k0 + k < n {
                         op.add((rho0 + k0 + k) * hd)
                     } else {
-                        spare.as_mut_ptr()
+                        spb
                     }
                 });
                 let (vp, first) = (vf.as_ptr().add(t0 * hd), t0 == 0);
@@ -197,6 +207,7 @@ unsafe fn fill_run<
             row.iter_mut().for_each(|v| *v /= sum);
         }
     }
+    true
 }
 
 /// Register tiles of rows a block: each chunk of keys (scores) or values (outputs) is read
