@@ -492,31 +492,22 @@ fn attend_with<E: KvElem>(
             offset,
             scale,
         };
-        let prompt = l >= prompt::MIN_TOKENS;
-        // SAFETY (each arm): the CPU has the set (`Walk::best` or the caller checked it).
+        // SAFETY (each arm of both): the CPU has the set (`Walk::best` or the caller checked it).
+        // The blocked path declines a task whose values are not all finite; the walk runs it.
+        let blocked = l >= prompt::MIN_TOKENS
+            && match simd {
+                #[cfg(target_arch = "x86_64")]
+                Walk::Avx512 if hd % 16 == 0 => unsafe { grp.prompt_avx512(o) },
+                #[cfg(target_arch = "x86_64")]
+                Walk::Avx512 | Walk::Avx2 if hd % 8 == 0 => unsafe { grp.prompt_avx2(o) },
+                #[cfg(target_arch = "aarch64")]
+                Walk::Neon if hd % 4 == 0 => unsafe { grp.prompt_neon(o) },
+                _ => false,
+            };
+        if blocked {
+            return;
+        }
         match simd {
-            #[cfg(target_arch = "x86_64")]
-            Walk::Avx512 if prompt && hd % 16 == 0 => unsafe {
-                if !grp.prompt_avx512(o) {
-                    grp.run_avx512(o)
-                }
-            },
-            #[cfg(target_arch = "x86_64")]
-            Walk::Avx512 | Walk::Avx2 if prompt && hd % 8 == 0 => unsafe {
-                if !grp.prompt_avx2(o) {
-                    grp.run_avx2(o)
-                }
-            },
-            #[cfg(target_arch = "aarch64")]
-            Walk::Neon if prompt && hd % 4 == 0 => unsafe {
-                if !grp.prompt_neon(o) {
-                    if hd % 8 == 0 {
-                        grp.run_neon(o)
-                    } else {
-                        grp.run(o)
-                    }
-                }
-            },
             #[cfg(target_arch = "x86_64")]
             Walk::Avx512 if hd % 16 == 0 => unsafe { grp.run_avx512(o) },
             #[cfg(target_arch = "x86_64")]
@@ -602,7 +593,7 @@ impl<E: KvElem> Group<'_, E> {
     }
 
     /// A prompt's attention in blocked products (`prompt.rs`) in 16 lanes: scores 6 rows x 4
-    /// vectors of keys, outputs 4 rows x 4 vectors (`hd` a multiple of 16) False where a value
+    /// vectors of keys, outputs 4 rows x 4 vectors (`hd` a multiple of 16). False where a value
     /// is not finite: nothing was written and the walk is to run (masked positions would turn
     /// it into NaN in earlier tokens' outputs).
     #[cfg(target_arch = "x86_64")]
@@ -1337,20 +1328,15 @@ mod tests {
                     out: &mut got,
                 };
                 attend_with(&d, rows, &w, &w, &cos, &sin, &mut kv, simd, nh / nkv);
-                let leaked = (0..bad)
-                    .filter(|&i| {
-                        got[i * nh * hd..(i + 1) * nh * hd]
-                            .iter()
-                            .any(|x| !x.is_finite())
-                    })
-                    .count();
-                let later = (bad..l)
-                    .filter(|&i| {
-                        got[i * nh * hd..(i + 1) * nh * hd]
-                            .iter()
-                            .any(|x| !x.is_finite())
-                    })
-                    .count();
+                // tokens whose outputs hold a non-finite value
+                let (leaked, later) = got
+                    .chunks_exact(nh * hd)
+                    .enumerate()
+                    .filter(|(_, t)| t.iter().any(|x| !x.is_finite()))
+                    .fold(
+                        (0, 0),
+                        |(e, a), (i, _)| if i < bad { (e + 1, a) } else { (e, a + 1) },
+                    );
                 if leaked > 0 || later == 0 {
                     failures.push(format!(
                         "{simd:?} {nonfinite}: {leaked} earlier, {later} later"
