@@ -10,8 +10,12 @@
 # then runs each twice, alternating: `llama-bench -t T -p 64 -n 64 -d 0,64 -r 3` (its prompt
 # from an empty cache, its decode at a depth of 64: the context `bot bench` decodes in) and
 # `bot bench --threads T --prompt-tokens 64 --gen-tokens 64 --repeats 3` (default sampler,
-# default kernel: what users run). Prints one table row per run and the ratios bot / llama.cpp.
+# default kernel: what users run). Prints one table row per run and the ratios bot / llama.cpp,
+# each round after the machine's plain read rate of that minute on T threads
+# (`examples/read_rate.rs`: a decode that streams its weights from memory cannot beat it, and
+# on a shared machine it moves with the neighbours).
 # Env: THREADS (default: all cores), ROUNDS (2), BOT (default target/release/bot), WORK (/tmp/bot-peers);
+# READ_RATE (default target/release/examples/read_rate, built if cargo is here; none: no line);
 # LB, GGUF_PY, PY, MAKE_GGUF (below) for a machine without ../shared.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +27,10 @@ WORK=${WORK:-/tmp/bot-peers}
 SHAPES=("$@"); [ ${#SHAPES[@]} -gt 0 ] || SHAPES=(qwen3-0.6b)
 mkdir -p "$WORK"
 [ -x "$BOT" ] || cargo build --release >&2
+READ_RATE=${READ_RATE:-target/release/examples/read_rate}
+if [ ! -x "$READ_RATE" ] && command -v cargo >/dev/null; then
+  cargo build --release --example read_rate >&2
+fi
 # LB, GGUF_PY, PY and MAKE_GGUF may name a llama-bench, gguf-py, a Python with numpy and
 # make_random_gguf.py built elsewhere (a machine without ../shared, e.g. the GPU machine's CPU)
 LB=${LB:-$(bash "$PEERS/build-llama-cpp.sh" cpu)}
@@ -36,6 +44,7 @@ for shape in "${SHAPES[@]}"; do
   [ -f "$g" ] || PYTHONPATH=$GGUF_PY "$PY" "$MAKE_GGUF" --model "$shape" --type q4_0 --pure -o "$g" >&2
   [ -f "$d/config.json" ] || "$BOT" bench --synthetic "$shape" --save "$d" >&2
   for r in $(seq "$ROUNDS"); do
+    [ ! -x "$READ_RATE" ] || echo "$shape round $r: $("$READ_RATE" "$THREADS" 5)"
     # the prompt from an empty cache; decode after those 64 tokens (`-d 64`), as `bot bench` does
     l=$("$LB" -m "$g" -t "$THREADS" -p 64 -n 64 -d 0,64 -r 3 -o json)
     lp=$(echo "$l" | python3 -c 'import json,sys; r=json.load(sys.stdin); print([x["avg_ts"] for x in r if x["n_prompt"]>0 and x["n_depth"]==0][0])')
