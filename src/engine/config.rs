@@ -312,7 +312,7 @@ impl Qwen3Config {
                     scales.shape.last().copied().unwrap_or(0),
                     w.shape.last().copied().unwrap_or(0),
                 );
-                if ng == 0 || in_features % ng != 0 || (wc * 32) % in_features != 0 {
+                if ng == 0 || !in_features.is_multiple_of(ng) || (wc * 32) % in_features != 0 {
                     return Err(bad(format!(
                         "cannot infer quantization: input width {in_features}, {ng} scale groups per row, {wc} packed words per row"
                     )));
@@ -324,7 +324,7 @@ impl Qwen3Config {
             }
         };
         if let Some(p) = params {
-            p.validate().map_err(|why| bad(why))?;
+            p.validate().map_err(bad)?;
             if store.get(&scales_name).is_none() {
                 return Err(EngineError::MissingTensor {
                     dir: store.dir.clone(),

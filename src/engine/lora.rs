@@ -405,7 +405,7 @@ impl Adapter {
             why,
         };
         let cfg: Value =
-            serde_json::from_str(&text).map_err(|e| err(format!("not valid JSON: {e}")))?;
+            serde_json::from_str(text).map_err(|e| err(format!("not valid JSON: {e}")))?;
         let ft = cfg
             .get("fine_tune_type")
             .and_then(Value::as_str)

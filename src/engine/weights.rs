@@ -659,6 +659,45 @@ impl WeightStore {
     }
 }
 
+/// Where each tensor of a safetensors file goes: `plan_safetensors` returns the header bytes
+/// and each tensor's absolute byte range, so a writer can fill one buffer in place.
+pub struct FilePlan {
+    pub bytes_total: usize,
+    pub header: Vec<u8>,
+    pub ranges: Vec<std::ops::Range<usize>>,
+}
+
+pub fn plan_safetensors(tensors: &[(String, Dtype, Vec<usize>)]) -> FilePlan {
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), serde_json::json!({"format": "mlx"}));
+    let mut off = 0usize;
+    let mut rel = Vec::new();
+    for (name, dt, shape) in tensors {
+        let n = shape.iter().product::<usize>() * dt.size();
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": dt.to_string().to_uppercase(), "shape": shape, "data_offsets": [off, off + n]}),
+        );
+        rel.push(off..off + n);
+        off += n;
+    }
+    let mut h = serde_json::to_vec(&Value::Object(header)).unwrap_or_default();
+    while !(8 + h.len()).is_multiple_of(8) {
+        h.push(b' '); // align the data section, as the safetensors crate does
+    }
+    let mut full = (h.len() as u64).to_le_bytes().to_vec();
+    full.extend_from_slice(&h);
+    let start = full.len();
+    FilePlan {
+        bytes_total: start + off,
+        ranges: rel
+            .into_iter()
+            .map(|r| r.start + start..r.end + start)
+            .collect(),
+        header: full,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     /// #18.12: two tensors sharing bytes were accepted.
@@ -749,44 +788,5 @@ mod tests {
         let mut b = file("{}", &[]);
         b[0] = 200;
         assert!(parse_header(&b).unwrap_err().contains("past the end"));
-    }
-}
-
-/// Where each tensor of a safetensors file goes: `plan_safetensors` returns the header bytes
-/// and each tensor's absolute byte range, so a writer can fill one buffer in place.
-pub struct FilePlan {
-    pub bytes_total: usize,
-    pub header: Vec<u8>,
-    pub ranges: Vec<std::ops::Range<usize>>,
-}
-
-pub fn plan_safetensors(tensors: &[(String, Dtype, Vec<usize>)]) -> FilePlan {
-    let mut header = serde_json::Map::new();
-    header.insert("__metadata__".into(), serde_json::json!({"format": "mlx"}));
-    let mut off = 0usize;
-    let mut rel = Vec::new();
-    for (name, dt, shape) in tensors {
-        let n = shape.iter().product::<usize>() * dt.size();
-        header.insert(
-            name.clone(),
-            serde_json::json!({"dtype": dt.to_string().to_uppercase(), "shape": shape, "data_offsets": [off, off + n]}),
-        );
-        rel.push(off..off + n);
-        off += n;
-    }
-    let mut h = serde_json::to_vec(&Value::Object(header)).unwrap_or_default();
-    while (8 + h.len()) % 8 != 0 {
-        h.push(b' '); // align the data section, as the safetensors crate does
-    }
-    let mut full = (h.len() as u64).to_le_bytes().to_vec();
-    full.extend_from_slice(&h);
-    let start = full.len();
-    FilePlan {
-        bytes_total: start + off,
-        ranges: rel
-            .into_iter()
-            .map(|r| r.start + start..r.end + start)
-            .collect(),
-        header: full,
     }
 }

@@ -47,8 +47,8 @@ fn drafts(home: &Path) -> Vec<Value> {
 }
 
 /// 1. `post --next` killed while its createRecord is still on the way: the next run finds
-/// nothing yet, and the late request lands after it. The rerun must resend under the same
-/// record key, so whichever arrives second collides: one record, the draft posted once.
+///    nothing yet, and the late request lands after it. The rerun must resend under the same
+///    record key, so whichever arrives second collides: one record, the draft posted once.
 #[test]
 fn post_sent_twice_when_the_killed_runs_request_lands_late() {
     let Some(pds) = pds_from("BSKY_SERVICE") else {
@@ -158,9 +158,9 @@ fn cron_command(line: &str) -> String {
 }
 
 /// 2. A newline in a value written into the crontab adds lines that run; a `%` cuts the
-/// command; a control character breaks the plist. Control characters are refused naming the
-/// variable, `%` is escaped so the command survives cron intact, and `remove` removes exactly
-/// the block `install` wrote.
+///    command; a control character breaks the plist. Control characters are refused naming the
+///    variable, `%` is escaped so the command survives cron intact, and `remove` removes exactly
+///    the block `install` wrote.
 #[test]
 fn crontab_injection_and_silently_broken_schedules() {
     let dir = tempfile::tempdir().unwrap();
@@ -213,7 +213,7 @@ fn crontab_injection_and_silently_broken_schedules() {
 }
 
 /// 4. A redirect answering createSession must not carry the app password to another
-/// address: the call fails (exit 3: fix the service) and the other address gets nothing.
+///    address: the call fails (exit 3: fix the service) and the other address gets nothing.
 #[test]
 fn the_app_password_never_follows_a_redirect() {
     let elsewhere = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -265,7 +265,7 @@ fn the_app_password_never_follows_a_redirect() {
 }
 
 /// 5. `bot delete` deleted any record (the profile!) and said "deleted" for records that do
-/// not exist. It deletes posts only, and says when there is nothing to delete.
+///    not exist. It deletes posts only, and says when there is nothing to delete.
 #[test]
 fn delete_deletes_only_posts_that_exist() {
     let Some(pds) = pds_from("BSKY_SERVICE") else {
@@ -305,7 +305,7 @@ fn delete_deletes_only_posts_that_exist() {
 }
 
 /// 6. The oldest approved draft refused by the duplicate guard stalled every later draft (and
-/// the message did not name it). It becomes `refused` with the reason and the next one goes.
+///    the message did not name it). It becomes `refused` with the reason and the next one goes.
 #[test]
 fn one_refused_draft_stalls_the_queue() {
     let Some(pds) = pds_from("BSKY_SERVICE") else {
@@ -367,8 +367,8 @@ fn one_refused_draft_stalls_the_queue() {
 }
 
 /// 7. With the handle in BOT_BSKY_HANDLE (as the README shows), `schedule install` reported
-/// success and every run failed; BOT_BSKY_SERVICE was dropped. The schedule carries the
-/// environment's settings, and refuses (saying what) when a run could not log in.
+///    success and every run failed; BOT_BSKY_SERVICE was dropped. The schedule carries the
+///    environment's settings, and refuses (saying what) when a run could not log in.
 #[test]
 fn schedules_lose_env_based_settings() {
     let home = tempfile::tempdir().unwrap();
@@ -477,8 +477,8 @@ fn fill_bf16(file: &Path, tensor: &str, bits: u16) {
 }
 
 /// 8. NaN/Inf adapters, norms and configs made garbage (280 `!`) that passed every check
-/// with exit 0. Invalid values are refused at load naming the field or tensor (exit 3); a
-/// model whose arithmetic still overflows stops with exit 5 and nothing on stdout.
+///    with exit 0. Invalid values are refused at load naming the field or tensor (exit 3); a
+///    model whose arithmetic still overflows stops with exit 5 and nothing on stdout.
 #[test]
 fn nan_inf_publishes_garbage() {
     let adapter_tensor = {
@@ -551,7 +551,7 @@ fn nan_inf_publishes_garbage() {
 }
 
 /// 10. Crashes, hangs and unbounded waits from huge numbers: each is refused at once with
-/// exit 2 and a message naming the flag.
+///     exit 2 and a message naming the flag.
 #[test]
 fn crashes_hangs_and_ooms_from_huge_numbers() {
     let home = tempfile::tempdir().unwrap();
@@ -626,7 +626,7 @@ fn crashes_hangs_and_ooms_from_huge_numbers() {
 }
 
 /// 10. A prompt longer than the model's context aborted allocating gigabytes; it is refused
-/// with exit 2 before any work. (Within the context, prompts run in 512-token chunks.)
+///     with exit 2 before any work. (Within the context, prompts run in 512-token chunks.)
 #[test]
 fn prompt_past_the_context_is_refused_not_allocated() {
     let (_t, m, _a) = scratch();
@@ -640,7 +640,7 @@ fn prompt_past_the_context_is_refused_not_allocated() {
 }
 
 /// 12. Smaller defects: a config's unknown device was exit 1 (config is 3); a handle written
-/// `@alice.test` logged in as `@alice.test`; NUL and ESC reached the server.
+///     `@alice.test` logged in as `@alice.test`; NUL and ESC reached the server.
 #[test]
 fn smaller_defects_of_settings_and_text() {
     let home = tempfile::tempdir().unwrap();

@@ -232,7 +232,11 @@ mod avx2 {
         sb: &[(f32, f32)],
         out: &mut [f32],
     ) {
-        assert!(gs % 8 == 0 && out.len() == sb.len() * gs && bytes.len() * 8 == out.len() * bits);
+        assert!(
+            gs.is_multiple_of(8)
+                && out.len() == sb.len() * gs
+                && bytes.len() * 8 == out.len() * bits
+        );
         let (src, dst) = (bytes.as_ptr(), out.as_mut_ptr());
         let word = |i: usize| std::ptr::read_unaligned(src.add(4 * i) as *const i32);
         let steps = gs / 8;

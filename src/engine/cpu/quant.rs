@@ -13,6 +13,7 @@
 //! - `Int8` (4-bit, AVX2 or NEON): the same with 8-bit activations (llama.cpp's Q8_0 idea): two fewer
 //!   `maddubs` per 64 weights, but an error of up to `max|x|/254` per element that flips
 //!   greedy choices at near-ties.
+//!
 //! Threads split the output rows (rayon); each task's rows stay in cache while up to four
 //! activation rows reuse every unpacked 32-byte chunk.
 
@@ -507,7 +508,7 @@ impl IntActs {
             return self.w16[i * self.k16() + b / 2 * 64 + b % 2 * 8 + W16_AT[j]] as i32;
         }
         let at = i * self.k / 2 + b * 16 + j / 2;
-        let (l, h) = if j % 2 == 0 {
+        let (l, h) = if j.is_multiple_of(2) {
             (&self.el, &self.eh)
         } else {
             (&self.ol, &self.oh)

@@ -241,7 +241,7 @@ pub fn qmm4_splits(n: usize, m: usize, k: usize) -> usize {
     }
     let steps = k / 128;
     (1..=steps)
-        .filter(|&s| steps % s == 0 && k / s >= 512 && blocks * s <= QMM4_SLOTS)
+        .filter(|&s| steps.is_multiple_of(s) && k / s >= 512 && blocks * s <= QMM4_SLOTS)
         .max()
         .unwrap_or(1)
 }
@@ -265,7 +265,7 @@ pub fn qmm_splits(n: usize, m: usize, k: usize) -> usize {
 /// split stays a multiple of the kernel's `step` codes and at least `min_len` long.
 fn k_splits(blocks: usize, k: usize, step: usize, min_len: usize, target: usize) -> usize {
     let mut s = 1;
-    while blocks * s < target && k % (2 * s * step) == 0 && k / (2 * s) >= min_len {
+    while blocks * s < target && k.is_multiple_of(2 * s * step) && k / (2 * s) >= min_len {
         s *= 2;
     }
     s

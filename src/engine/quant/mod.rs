@@ -187,7 +187,7 @@ impl QMatrix {
             name: t.name.clone(),
             why,
         };
-        if cols % params.group_size != 0 {
+        if !cols.is_multiple_of(params.group_size) {
             return Err(bad(
                 &weight,
                 format!(

@@ -325,7 +325,7 @@ unsafe fn norm_rope_heads_avx2(
 ) {
     use std::arch::x86_64::*;
     for head in x.chunks_exact_mut(hd) {
-        if hd % 8 != 0 {
+        if !hd.is_multiple_of(8) {
             norm_rope(head, w, eps, cos, sin);
             continue;
         }

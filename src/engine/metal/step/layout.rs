@@ -190,16 +190,16 @@ pub struct StepModel {
 /// Why the fused step cannot run this model (the caller keeps candle ops), if it cannot.
 pub(crate) fn unsupported(m: &ModelView) -> Option<String> {
     let c = &m.cfg;
-    if c.head_dim % 32 != 0 || c.head_dim > 256 {
+    if !c.head_dim.is_multiple_of(32) || c.head_dim > 256 {
         return Some(format!(
             "head_dim {} is not a multiple of 32 up to 256",
             c.head_dim
         ));
     }
-    if c.num_attention_heads % c.num_key_value_heads != 0 {
+    if !c.num_attention_heads.is_multiple_of(c.num_key_value_heads) {
         return Some("heads are not a multiple of KV heads".into());
     }
-    if c.hidden_size % 4 != 0 || c.intermediate_size % 4 != 0 {
+    if !c.hidden_size.is_multiple_of(4) || !c.intermediate_size.is_multiple_of(4) {
         return Some("hidden or intermediate size is not a multiple of 4".into());
     }
     for w in m.projections().chain([m.embed, &m.lm_head.weight]) {

@@ -305,7 +305,7 @@ pub(crate) fn matmul(
     let (kernel, grid, threads) = if rows > QMV_MAX_ROWS {
         let grid = [rows.div_ceil(QMM_TILE), p.n.div_ceil(QMM_TILE) + a_tgs, 1];
         ("qmm_step", grid, QMM_THREADS)
-    } else if p.bits == 4 && p.k % 16 == 0 && p.group_size % 16 == 0 {
+    } else if p.bits == 4 && p.k.is_multiple_of(16) && p.group_size.is_multiple_of(16) {
         (
             "qmv4_step",
             [rows, p.n.div_ceil(MV_ROWS) + a_tgs, 1],
