@@ -533,7 +533,11 @@ mod tests {
         for breadth_first in [false, true] {
             let mut b = rayon::ThreadPoolBuilder::new().num_threads(3);
             if breadth_first {
-                b = b.breadth_first();
+                // deprecated for new code; this test covers pools whose users still build it
+                #[allow(deprecated)]
+                {
+                    b = b.breadth_first();
+                }
             }
             let pool = b.build().expect("pool");
             let body = || {
