@@ -1,13 +1,18 @@
 //! The machine's plain read rate at this minute: `threads` threads each sum their part of a 1
-//! GiB buffer (in 2 MiB pages where the kernel gives them), front to back, with a T1 prefetch
-//! 4 KiB ahead on x86-64 (the hint the decode kernels use). A decode step of a model that does
-//! not fit the caches cannot stream its weights faster than this, so `scripts/bench-peers.sh`
-//! prints it beside each round: on a shared machine it moves 25-49 GB/s from minute to minute
-//! (this project's 2-core EPYCs), and a decode rate means little without it.
+//! GiB buffer (in 2 MiB pages where the kernel gives them), front to back, in two loops taken
+//! in turn: one with a T1 prefetch 4 KiB ahead on x86-64 (the hint the decode kernels use),
+//! one with no hint. On this project's Zen 4 EPYC the loop without the hint read 10-30% more
+//! (2 threads 28-34 GB/s against 23-31, one thread 27-30 against 21-23), while the decode
+//! kernel without its hint streamed ~12% less (docs/performance.md, twenty-sixth session): so
+//! the faster loop's median is the figure. A decode step of a model that does not fit the
+//! caches cannot stream its weights much faster than this, so `scripts/bench-peers.sh` prints
+//! it beside each round: on a shared machine it moves 25-49 GB/s from minute to minute (this
+//! project's 2-core EPYCs), and a decode rate means little without it.
 //!
 //!   cargo run --release --example read_rate [threads] [rounds]
 //!
-//! Prints the median, min and max over the rounds in GB/s (10^9 bytes a second).
+//! Prints the faster loop's median, min and max over the rounds in GB/s (10^9 bytes a
+//! second), and each loop's median.
 use std::time::Instant;
 
 const BYTES: usize = 1 << 30;
@@ -31,47 +36,64 @@ fn main() {
         *v = i as u64;
     }
     let per = buf.len() / threads;
-    let mut rates = Vec::new();
+    // rates of the loop with the hint ([0]) and without ([1]), rounds taken in turn
+    let mut rates = [Vec::new(), Vec::new()];
     let mut check = 0u64;
     for _ in 0..rounds {
-        let t = Instant::now();
-        let sums: Vec<u64> = std::thread::scope(|s| {
-            let parts: Vec<_> = buf
-                .chunks(per)
-                .take(threads)
-                .map(|part| s.spawn(move || sum(part)))
-                .collect();
-            parts
-                .into_iter()
-                .map(|h| h.join().expect("a reader thread"))
-                .collect()
-        });
-        rates.push((per * threads * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
-        check = check.wrapping_add(sums.iter().fold(0, |a, &b| a.wrapping_add(b)));
+        for (hint, rates) in [true, false].into_iter().zip(rates.iter_mut()) {
+            let t = Instant::now();
+            let sums: Vec<u64> = std::thread::scope(|s| {
+                let parts: Vec<_> = buf
+                    .chunks(per)
+                    .take(threads)
+                    .map(|part| s.spawn(move || sum(part, hint)))
+                    .collect();
+                parts
+                    .into_iter()
+                    .map(|h| h.join().expect("a reader thread"))
+                    .collect()
+            });
+            rates.push((per * threads * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
+            check = check.wrapping_add(sums.iter().fold(0, |a, &b| a.wrapping_add(b)));
+        }
     }
-    rates.sort_by(|a, b| a.total_cmp(b));
+    for r in rates.iter_mut() {
+        r.sort_by(|a, b| a.total_cmp(b));
+    }
+    let median = |r: &[f64]| r[r.len() / 2];
+    let (hinted, plain) = (median(&rates[0]), median(&rates[1]));
+    let best = if plain >= hinted {
+        &rates[1]
+    } else {
+        &rates[0]
+    };
     println!(
-        "plain read, {threads} threads: median {:.1} GB/s (min {:.1}, max {:.1}; check {})",
-        rates[rates.len() / 2],
-        rates[0],
-        rates[rates.len() - 1],
+        "plain read, {threads} threads: median {:.1} GB/s (min {:.1}, max {:.1}; no hint {plain:.1}, T1 4 KiB ahead {hinted:.1}; check {})",
+        median(best),
+        best[0],
+        best[best.len() - 1],
         check % 1000
     );
     // SAFETY: allocated above with this layout; `buf` is not used after
     unsafe { std::alloc::dealloc(buf.as_mut_ptr() as *mut u8, layout) };
 }
 
-/// The wrapping sum of `part`, eight independent lanes a 64-byte line.
-fn sum(part: &[u64]) -> u64 {
+/// The wrapping sum of `part`, eight independent lanes a 64-byte line; `hint`: a T1 prefetch
+/// 4 KiB ahead of each line (x86-64 only).
+fn sum(part: &[u64], hint: bool) -> u64 {
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = hint;
     let mut acc = [0u64; 8];
     for line in part.chunks_exact(8) {
-        // SAFETY: a prefetch hint; an address past the buffer does not fault
         #[cfg(target_arch = "x86_64")]
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
-                line.as_ptr().wrapping_add(512) as *const i8,
-            )
-        };
+        if hint {
+            // SAFETY: a prefetch hint; an address past the buffer does not fault
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                    line.as_ptr().wrapping_add(512) as *const i8,
+                )
+            }
+        }
         for (a, v) in acc.iter_mut().zip(line) {
             *a = a.wrapping_add(*v);
         }

@@ -12,8 +12,9 @@
 # `bot bench --threads T --prompt-tokens 64 --gen-tokens 64 --repeats 3` (default sampler,
 # default kernel: what users run). Prints one table row per run and the ratios bot / llama.cpp,
 # each round after the machine's plain read rate of that minute on T threads
-# (`examples/read_rate.rs`: a decode that streams its weights from memory cannot beat it, and
-# on a shared machine it moves with the neighbours).
+# (`examples/read_rate.rs`, the faster of a loop with a prefetch hint and one without: a decode
+# that streams its weights from memory does not go much faster, and on a shared machine it
+# moves with the neighbours).
 # Env: THREADS (default: all cores), ROUNDS (2), BOT (default target/release/bot), WORK (/tmp/bot-peers);
 # READ_RATE (default target/release/examples/read_rate, built if cargo is here; none: no line);
 # LB, GGUF_PY, PY, MAKE_GGUF (below) for a machine without ../shared.
