@@ -24,7 +24,8 @@ pub struct Report {
     pub sampler: String,
     pub load_s: f64,
     /// How the weights are held on the host: the file mapped, or read into huge pages and how
-    /// much of them the kernel gave 2 MiB pages (`engine/resident.rs`).
+    /// much of them the kernel gave 2 MiB pages (`engine/resident.rs`); then, where the CPU
+    /// decode made one (`cpu/tile16.rs`), the same of its copy, which is what decode reads.
     pub weights_memory: String,
     pub prompt_tokens: usize,
     pub gen_tokens: usize,
@@ -249,7 +250,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         lora,
         sampler: describe(&sampler),
         load_s,
-        weights_memory: store.describe_memory(),
+        weights_memory: [Some(store.describe_memory()), model.describe_cpu_copy()]
+            .into_iter()
+            .flatten()
+            .collect::<Vec<_>>()
+            .join("; "),
         prompt_tokens: args.prompt_tokens,
         gen_tokens: args.gen_tokens,
         prefill_tok_s: median(pre),

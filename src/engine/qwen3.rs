@@ -601,18 +601,27 @@ impl Qwen3 {
     /// Each 4-bit projection's and the head's copy for the CPU decode kernel
     /// (`cpu::tile16`: mapped from its cache, or made now and kept there).
     fn copy_tiles(&mut self, store: &WeightStore) {
+        let files = store.file_stamps();
+        let notes = tile16::prepare(&self.decode_matrices(), files.as_deref(), &store.dir);
+        self.notes.extend(notes);
+    }
+
+    /// The quantized matrices a decode step reads: the projections and the head.
+    fn decode_matrices(&self) -> Vec<&crate::engine::QMatrix> {
         let head = std::iter::once(&self.lm_head.weight);
-        let quant: Vec<&crate::engine::QMatrix> = self
-            .projections()
+        self.projections()
             .chain(head)
             .filter_map(|w| match w {
                 Weight::Quant(q) => Some(&**q),
                 _ => None,
             })
-            .collect();
-        let files = store.file_stamps();
-        let notes = tile16::prepare(&quant, files.as_deref(), &store.dir);
-        self.notes.extend(notes);
+            .collect()
+    }
+
+    /// How the CPU decode's copies of the weights are held (`cpu::tile16`), where it made
+    /// them; `None` otherwise.
+    pub fn describe_cpu_copy(&self) -> Option<String> {
+        tile16::describe_memory(&self.decode_matrices())
     }
 
     /// Notes gathered since the last call (a fallback at load or during a run), for the caller

@@ -355,28 +355,61 @@ fn mapping_field(addr: usize, field: &str) -> Option<u64> {
     vma_field_bytes(&text, addr, field)
 }
 
+/// How many bytes of the mappings holding `addrs` (each mapping counted once) the kernel
+/// maps with 2 MiB entries now: a file's `FilePmdMapped`, memory's `AnonHugePages`
+/// (`/proc/self/smaps`); `None` where it does not say.
+pub fn huge_bytes_at(addrs: &[usize]) -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    Some(huge_bytes_of_vmas(&text, addrs))
+}
+
+/// `huge_bytes_at` over the text of an `smaps`.
+fn huge_bytes_of_vmas(smaps: &str, addrs: &[usize]) -> u64 {
+    let mut inside = false;
+    let mut total = 0;
+    for line in smaps.lines() {
+        if let Some((lo, hi)) = vma_range(line) {
+            inside = addrs.iter().any(|a| (lo..hi).contains(a));
+        } else if inside {
+            total += ["FilePmdMapped:", "AnonHugePages:"]
+                .iter()
+                .filter_map(|f| kb_field(line, f))
+                .sum::<u64>();
+        }
+    }
+    total
+}
+
+/// A mapping's header line's address range (`7f00-7f40 r--p ...`).
+fn vma_range(line: &str) -> Option<(usize, usize)> {
+    let (lo, hi) = line.split_whitespace().next()?.split_once('-')?;
+    Some((
+        usize::from_str_radix(lo, 16).ok()?,
+        usize::from_str_radix(hi, 16).ok()?,
+    ))
+}
+
+/// `line`'s value in bytes where it is the `kB` field `field` (e.g. `AnonHugePages:`).
+fn kb_field(line: &str, field: &str) -> Option<u64> {
+    let v = line.strip_prefix(field)?;
+    v.trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .map(|k| k * 1024)
+}
+
 /// A `kB` field (e.g. `AnonHugePages:`), in bytes, of the mapping of `smaps` that contains
 /// `addr`.
 fn vma_field_bytes(smaps: &str, addr: usize, field: &str) -> Option<u64> {
     let mut inside = false;
     for line in smaps.lines() {
-        let head = line.split_whitespace().next().unwrap_or("");
-        if let Some((lo, hi)) = head.split_once('-') {
-            if let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
-            {
-                inside = (lo..hi).contains(&addr);
-                continue;
-            }
-        }
-        if inside {
-            if let Some(v) = line.strip_prefix(field) {
-                return v
-                    .trim()
-                    .trim_end_matches("kB")
-                    .trim()
-                    .parse::<u64>()
-                    .ok()
-                    .map(|k| k * 1024);
+        if let Some((lo, hi)) = vma_range(line) {
+            inside = (lo..hi).contains(&addr);
+        } else if inside {
+            if let Some(v) = kb_field(line, field) {
+                return Some(v);
             }
         }
     }
@@ -416,6 +449,19 @@ mod tests {
         assert_eq!(vma_field_bytes(t, 0x7f0000400000, f), Some(0));
         assert_eq!(vma_field_bytes(t, 0x10, f), None);
         assert_eq!(vma_field_bytes(t, 0x7f0000123456, "FilePmdMapped:"), None);
+    }
+
+    #[test]
+    fn huge_bytes_of_the_mappings_holding_addresses_each_once() {
+        let t = "7f0000000000-7f0000400000 rw-p 00000000 00:00 0\nSize: 4096 kB\nAnonHugePages:    2048 kB\n\
+                 7f0000400000-7f0000c00000 r--s 00000000 fd:01 12 /c/x.tiles\nFilePmdMapped:    6144 kB\nAnonHugePages:       0 kB\n\
+                 7f0000c00000-7f0001000000 r--p 00000000 fd:01 13 /m/model.safetensors\nFilePmdMapped:    4096 kB\n";
+        // two addresses in the file's mapping count it once
+        let (anon, file) = (0x7f0000001000, 0x7f0000400000);
+        assert_eq!(huge_bytes_of_vmas(t, &[file, file + 4096]), 6 << 20);
+        assert_eq!(huge_bytes_of_vmas(t, &[anon, file]), 8 << 20);
+        assert_eq!(huge_bytes_of_vmas(t, &[0x10]), 0);
+        assert_eq!(huge_bytes_of_vmas(t, &[0x7f0000c00000]), 4 << 20);
     }
 
     /// The buffer starts on a 2 MiB boundary, holds what was read, and reads back the same

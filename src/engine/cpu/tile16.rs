@@ -207,6 +207,39 @@ fn prepare_in(
     notes
 }
 
+/// How the decode copies of `ws` are held, in words (`bot bench`'s "weights memory": on
+/// Intel's CPUs they, not the model's files, are what decode streams): their size and how
+/// much of them the kernel maps in 2 MiB pages now; `None` where none has a copy.
+pub fn describe_memory(ws: &[&QMatrix]) -> Option<String> {
+    let (total, huge) = held(ws)?;
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    Some(match huge {
+        Some(huge) => format!(
+            "decode copy (tile16): {:.1} of {:.1} MiB in 2 MiB pages",
+            mib(huge),
+            mib(total)
+        ),
+        None => format!("decode copy (tile16): {:.1} MiB", mib(total)),
+    })
+}
+
+/// The bytes of `ws`' copies and how many of them are in 2 MiB pages, where the kernel says.
+fn held(ws: &[&QMatrix]) -> Option<(u64, Option<u64>)> {
+    let copies: Vec<&Tiles> = ws
+        .iter()
+        .filter_map(|w| w.cpu_copy.peek::<Tiles>())
+        .collect();
+    if copies.is_empty() {
+        return None;
+    }
+    let total = copies.iter().map(|t| t.nbytes() as u64).sum::<u64>();
+    // a cache file is one mapping for all of them, copies made at load one mapping each
+    let addrs: Vec<usize> = copies.iter().map(|t| t.bytes().as_ptr() as usize).collect();
+    // a cache file's mapping also holds its index
+    let huge = crate::engine::resident::huge_bytes_at(&addrs).map(|h| h.min(total));
+    Some((total, huge))
+}
+
 /// A matrix's whole tiles (rows `0..tiles * 16`) in the interleaved layout. Tile `t`, group
 /// `g` starts at `(t * gpr + g) * group_bytes`: word `w` of the group's codes for rows
 /// `16t..16t + 16` (64 bytes: row `16t + r`'s word at `4r`), for each of the group's `gs / 8`
@@ -699,6 +732,17 @@ mod tests {
             notes.len() == 1 && notes[0].contains("kept it in"),
             "{notes:?}"
         );
+        // what `bot bench` says of them: the two copies' bytes, and on Linux the huge part
+        let refs: Vec<&QMatrix> = second.iter().collect();
+        let (total, huge) = held(&refs).expect("copies held");
+        let want: usize = second[..2]
+            .iter()
+            .map(|w| Tiles::len_of(Tiles::layout_of(w).expect("tiled")))
+            .sum();
+        assert_eq!(total, want as u64);
+        assert_eq!(huge.is_some(), cfg!(target_os = "linux"));
+        assert!(describe_memory(&refs).is_some_and(|d| d.starts_with("decode copy (tile16)")));
+        assert!(held(&refs[2..]).is_none(), "no copy, nothing to say");
         let none = make();
         assert!(run(&none, None).is_empty());
         assert!(none[0].cpu_copy.peek::<Tiles>().is_some(), "made, not kept");
