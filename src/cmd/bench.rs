@@ -24,9 +24,11 @@ pub struct Report {
     pub sampler: String,
     pub load_s: f64,
     /// How the weights are held on the host: the file mapped, or read into huge pages and how
-    /// much of them the kernel gave 2 MiB pages (`engine/resident.rs`); then, where the CPU
-    /// decode made one (`cpu/tile16.rs`), the same of its copy, which is what decode reads.
+    /// much of them the kernel gave 2 MiB pages (`engine/resident.rs`).
     pub weights_memory: String,
+    /// The same of the CPU decode's copy where it made one (`cpu/tile16.rs`: Intel's CPUs
+    /// with AVX-512), which is then what decode reads; `null` otherwise.
+    pub decode_copy_memory: Option<String>,
     pub prompt_tokens: usize,
     pub gen_tokens: usize,
     pub prefill_tok_s: f64,
@@ -250,11 +252,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         lora,
         sampler: describe(&sampler),
         load_s,
-        weights_memory: [Some(store.describe_memory()), model.describe_cpu_copy()]
-            .into_iter()
-            .flatten()
-            .collect::<Vec<_>>()
-            .join("; "),
+        weights_memory: store.describe_memory(),
+        decode_copy_memory: model.describe_cpu_copy(),
         prompt_tokens: args.prompt_tokens,
         gen_tokens: args.gen_tokens,
         prefill_tok_s: median(pre),
@@ -435,6 +434,9 @@ fn print_table(r: &Report) {
     println!("sampler          {}", r.sampler);
     println!("load             {:.3} s", r.load_s);
     println!("weights memory   {}", r.weights_memory);
+    if let Some(copy) = &r.decode_copy_memory {
+        println!("decode copy      {copy}");
+    }
     println!(
         "prefill          {:.1} tok/s ({} tokens)",
         r.prefill_tok_s, r.prompt_tokens

@@ -130,6 +130,28 @@ fn bench_reports_the_adapter_cost() {
     }
 }
 
+/// Where the CPU decode reads a copy of the weights (`tile16`: AVX-512 CPUs, Intel's by
+/// default), `bot bench` says how that copy is held as well; elsewhere nothing.
+#[test]
+fn bench_reports_how_the_decode_copy_is_held() {
+    for layout in ["tile16", "rows"] {
+        let mut cmd = bench_q4g64("4");
+        cmd.env("BOT_CPU_LAYOUT", layout);
+        let j = json_of(&mut cmd);
+        let avx512 = matches!(j["cpu_isa"].as_str(), Some("avx512-vnni" | "amx"));
+        let copy = &j["decode_copy_memory"];
+        if layout == "tile16" && avx512 {
+            let c = copy.as_str().expect("the copy's line");
+            assert!(
+                c.starts_with("tile16, ") && c.ends_with(" MiB in 2 MiB pages"),
+                "{c}"
+            );
+        } else {
+            assert!(copy.is_null(), "{layout} on {}: {copy}", j["cpu_isa"]);
+        }
+    }
+}
+
 #[test]
 fn bench_reports_how_the_weights_are_held() {
     let thp =

@@ -207,7 +207,7 @@ fn prepare_in(
     notes
 }
 
-/// How the decode copies of `ws` are held, in words (`bot bench`'s "weights memory": on
+/// How the decode copies of `ws` are held, in words (`bot bench`'s "decode copy": on
 /// Intel's CPUs they, not the model's files, are what decode streams): their size and how
 /// much of them the kernel maps in 2 MiB pages now; `None` where none has a copy.
 pub fn describe_memory(ws: &[&QMatrix]) -> Option<String> {
@@ -215,11 +215,11 @@ pub fn describe_memory(ws: &[&QMatrix]) -> Option<String> {
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     Some(match huge {
         Some(huge) => format!(
-            "decode copy (tile16): {:.1} of {:.1} MiB in 2 MiB pages",
+            "tile16, {:.1} of {:.1} MiB in 2 MiB pages",
             mib(huge),
             mib(total)
         ),
-        None => format!("decode copy (tile16): {:.1} MiB", mib(total)),
+        None => format!("tile16, {:.1} MiB", mib(total)),
     })
 }
 
@@ -741,7 +741,7 @@ mod tests {
             .sum();
         assert_eq!(total, want as u64);
         assert_eq!(huge.is_some(), cfg!(target_os = "linux"));
-        assert!(describe_memory(&refs).is_some_and(|d| d.starts_with("decode copy (tile16)")));
+        assert!(describe_memory(&refs).is_some_and(|d| d.starts_with("tile16, ")));
         assert!(held(&refs[2..]).is_none(), "no copy, nothing to say");
         let none = make();
         assert!(run(&none, None).is_empty());
