@@ -233,9 +233,10 @@ fn held(ws: &[&QMatrix]) -> Option<(u64, Option<u64>)> {
         return None;
     }
     let total = copies.iter().map(|t| t.nbytes() as u64).sum::<u64>();
-    // a cache file is one mapping for all of them, copies made at load one mapping each
+    // a cache file is one mapping for all of them, copies made at load one each
     let addrs: Vec<usize> = copies.iter().map(|t| t.bytes().as_ptr() as usize).collect();
-    // a cache file's mapping also holds its index
+    // a cache file's mapping also holds its index, and the kernel may merge a copy's
+    // anonymous mapping with a neighbour's: at most the copies' bytes
     let huge = crate::engine::resident::huge_bytes_at(&addrs).map(|h| h.min(total));
     Some((total, huge))
 }
