@@ -3,8 +3,9 @@
 //! in turn: one with a T1 prefetch 4 KiB ahead on x86-64 (the hint the decode kernels use),
 //! one with no hint. On this project's Zen 4 EPYC the loop without the hint read 10-30% more
 //! (2 threads 28-34 GB/s against 23-31, one thread 27-30 against 21-23), while the decode
-//! kernel without its hint streamed ~12% less (docs/performance.md, twenty-sixth session): so
-//! the faster loop's median is the figure. A decode step of a model that does not fit the
+//! kernel without its hint streamed ~12% less (docs/performance.md, twenty-sixth session); on
+//! the Xeon (Emerald Rapids) the unhinted loop read 16-55% less (twenty-seventh): so the
+//! faster loop's median is the figure. A decode step of a model that does not fit the
 //! caches cannot stream its weights much faster than this, so `scripts/bench-peers.sh` prints
 //! it beside each round: on a shared machine it moves 25-49 GB/s from minute to minute (this
 //! project's 2-core EPYCs), and a decode rate means little without it.
@@ -50,6 +51,7 @@ fn main() {
                     .collect();
                 parts
                     .into_iter()
+                    // ok: a reader only sums a slice it owns; it cannot panic
                     .map(|h| h.join().expect("a reader thread"))
                     .collect()
             });
