@@ -207,6 +207,26 @@ impl Linear {
     }
 
     fn try_shared<const N: usize>(ls: &[&Linear; N], x: &Tensor) -> Result<Option<[Tensor; N]>> {
+        let Some(ys) = Self::shared_host(ls, x)? else {
+            return Ok(None);
+        };
+        let m = x.dim(0)?;
+        let mut out = Vec::with_capacity(N);
+        for y in ys {
+            let n = y.len() / m.max(1);
+            out.push(Tensor::from_vec(y, (m, n), x.device())?);
+        }
+        Ok(out.try_into().ok())
+    }
+
+    /// `forward_shared`'s CPU path with the outputs as host vectors, each (L, out) row-major,
+    /// LoRA added: `None` where it has none (not the CPU or f32 rows, or a matrix the shared
+    /// kernels do not take), for the caller to run `forward_shared`. `x` is read where it
+    /// lies, not copied out of its tensor first.
+    pub(crate) fn shared_host<const N: usize>(
+        ls: &[&Linear; N],
+        x: &Tensor,
+    ) -> Result<Option<[Vec<f32>; N]>> {
         let kernel = ls[0].kernel;
         if !x.device().is_cpu() || x.dtype() != candle_core::DType::F32 || x.rank() != 2 {
             return Ok(None);
@@ -220,36 +240,45 @@ impl Linear {
             }
         }
         let t = Instant::now();
-        let xs = x.flatten_all()?.to_vec1::<f32>()?;
-        if m == 1 && ls.iter().any(|l| l.lora.is_some()) {
-            if let Some(ys) = Self::matvec_with_lora(ls, &ws, &xs, kernel) {
-                let mut out = Vec::with_capacity(N);
-                for y in ys {
-                    let n = y.len();
-                    out.push(Tensor::from_vec(y, (1, n), x.device())?);
+        let x = x.contiguous()?;
+        // the branches a host pass could not add, added through tensors once `x` is released
+        let mut by_tensor = Vec::new();
+        let mut ys = {
+            let (storage, layout) = x.storage_and_layout();
+            let candle_core::Storage::Cpu(cs) = &*storage else {
+                return Ok(None);
+            };
+            let xs = crate::engine::cpu::host_f32("forward_shared", cs, layout)?;
+            if m == 1 && ls.iter().any(|l| l.lora.is_some()) {
+                if let Some(ys) = Self::matvec_with_lora(ls, &ws, xs, kernel) {
+                    return Ok(ys.try_into().ok());
                 }
-                return Ok(out.try_into().ok());
             }
-        }
-        let Some(ys) = crate::engine::cpu::quant::qmatmul_shared(&ws, &xs, m, kernel) else {
-            return Ok(None);
-        };
-        profile::add(ls[0].part, t);
-        let mut out = Vec::with_capacity(N);
-        for (l, mut y) in ls.iter().zip(ys) {
-            let n = y.len() / m;
-            let t = Instant::now();
-            let host = l.lora.as_ref().is_some_and(|b| b.add_rows(&xs, &mut y));
-            let y = Tensor::from_vec(y, (m, n), x.device())?;
-            out.push(match &l.lora {
-                Some(b) if !host => b.add_to(x, y)?,
-                _ => y,
-            });
-            if l.lora.is_some() {
+            let Some(mut ys) = crate::engine::cpu::quant::qmatmul_shared(&ws, xs, m, kernel) else {
+                return Ok(None);
+            };
+            profile::add(ls[0].part, t);
+            for (i, (l, y)) in ls.iter().zip(&mut ys).enumerate() {
+                let Some(b) = &l.lora else { continue };
+                let t = Instant::now();
+                if !b.add_rows(xs, y) {
+                    by_tensor.push(i);
+                }
                 profile::add(Part::Lora, t);
             }
+            ys
+        };
+        for i in by_tensor {
+            let (Some(b), y) = (&ls[i].lora, &mut ys[i]) else {
+                continue;
+            };
+            let t = Instant::now();
+            let n = y.len() / m.max(1);
+            let yt = Tensor::from_vec(std::mem::take(y), (m, n), x.device())?;
+            *y = b.add_to(&x, yt)?.flatten_all()?.to_vec1::<f32>()?;
+            profile::add(Part::Lora, t);
         }
-        Ok(out.try_into().ok())
+        Ok(ys.try_into().ok())
     }
 
     /// What a decode step's region over these projections (one, or several sharing their

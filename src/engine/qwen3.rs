@@ -213,35 +213,48 @@ impl Attention {
     ) -> Result<Tensor> {
         let l = x.dim(0)?;
         let (nh, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let [q, k, v] = Linear::forward_shared([&self.q_proj, &self.k_proj, &self.v_proj], x)?;
-        let q = q.reshape((l, nh, hd))?; // (L, Hq, D)
-        let k = k.reshape((l, nkv, hd))?; // (L, Hkv, D)
-        let v = v.reshape((l, nkv, hd))?;
-        let t0 = Instant::now();
-        if q.device().is_cpu() && !self.reference_path {
+        let qkv = [&self.q_proj, &self.k_proj, &self.v_proj];
+        if x.device().is_cpu() && !self.reference_path {
+            // q|k|v's outputs as host vectors (the shared kernels' own, else copied out of
+            // their tensors), which the attention core normalizes and rotates in place
+            let [mut q, mut k, v] = match Linear::shared_host(&qkv, x)? {
+                Some(qkv) => qkv,
+                None => {
+                    let flat = |t: Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
+                    let [q, k, v] = Linear::forward_shared(qkv, x)?;
+                    [flat(q)?, flat(k)?, flat(v)?]
+                }
+            };
+            let t0 = Instant::now();
             let dims = Dims {
                 n_heads: nh,
                 n_kv: nkv,
                 head_dim: hd,
                 eps: self.eps,
             };
-            let flat = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
-            let out = attention::attend(
+            let mut out = vec![0f32; l * nh * hd];
+            attention::attend_into(
                 &dims,
-                flat(&q)?,
-                flat(&k)?,
-                &flat(&v)?,
+                &mut q,
+                &mut k,
+                &v,
                 &self.q_norm_host,
                 &self.k_norm_host,
                 &rope.cos_host,
                 &rope.sin_host,
                 &mut self.host_kv,
+                &mut out,
             );
-            let out = Tensor::from_vec(out, (l, nh * hd), q.device())?;
+            let out = Tensor::from_vec(out, (l, nh * hd), x.device())?; // (L, Hq*D)
             profile::add(Part::Attention, t0);
             team::read_ahead(next);
             return self.o_proj.forward(&out);
         }
+        let [q, k, v] = Linear::forward_shared(qkv, x)?;
+        let q = q.reshape((l, nh, hd))?; // (L, Hq, D)
+        let k = k.reshape((l, nkv, hd))?; // (L, Hkv, D)
+        let v = v.reshape((l, nkv, hd))?;
+        let t0 = Instant::now();
         // q/k norms act on each head before RoPE, as in mlx_lm
         let q = candle_nn::ops::rms_norm(&q, &self.q_norm, self.eps)?;
         let k = candle_nn::ops::rms_norm(&k, &self.k_norm, self.eps)?;

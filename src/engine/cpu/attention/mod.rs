@@ -453,7 +453,8 @@ struct Rows<'a> {
 }
 
 /// `attend` with the kernels `simd` names (the caller has checked the CPU), `per_task` query
-/// heads a task (a divisor of the heads a KV head has).
+/// heads a task (a divisor of the heads a KV head has), each task writing its heads' rows of
+/// `out` in place.
 #[allow(clippy::too_many_arguments)]
 fn attend_with<E: KvElem>(
     d: &Dims,
@@ -479,7 +480,7 @@ fn attend_with<E: KvElem>(
     // a task per KV head, for the query heads that share it, reads their K and V rows once
     // (with the layout above: 93-97 -> 79-84 us a layer at 96 positions, the measure of
     // `HostKv`); with `per_task` < `rep` they are read once a task
-    let group = |h0: usize, o: &mut [f32]| {
+    let group = |h0: usize, o: Out| {
         let grp = Group {
             q,
             keys: &kv.k[h0 / rep],
@@ -492,8 +493,9 @@ fn attend_with<E: KvElem>(
             offset,
             scale,
         };
-        // SAFETY (each arm of both): the CPU has the set (`Walk::best` or the caller checked it).
-        // The blocked path declines a task whose values are not all finite; the walk runs it.
+        // SAFETY (each arm of both): the CPU has the set (`Walk::best` or the caller checked it);
+        // `o`'s rows of heads h0..h0 + per_task are this task's alone (below). The blocked
+        // path declines a task whose values are not all finite; the walk runs it.
         let blocked = l >= prompt::MIN_TOKENS
             && match simd {
                 #[cfg(target_arch = "x86_64")]
@@ -514,31 +516,59 @@ fn attend_with<E: KvElem>(
             Walk::Avx512 | Walk::Avx2 if hd % 8 == 0 => unsafe { grp.run_avx2(o) },
             #[cfg(target_arch = "aarch64")]
             Walk::Neon if hd % 8 == 0 => unsafe { grp.run_neon(o) },
-            _ => grp.run(o),
+            _ => unsafe { grp.run(o) },
         }
     };
     debug_assert_eq!(rep % per_task, 0);
-    if l == 1 {
-        // a task's heads are adjacent in the one output row: it writes there directly
-        let mut per_group: Vec<(usize, &mut [f32])> = out
-            .chunks_mut(per_task * hd)
-            .enumerate()
-            .map(|(t, o)| (t * per_task, o))
-            .collect();
-        team::for_each_mut(&mut per_group, |(h0, o)| group(*h0, o));
-        return;
+    assert_eq!(out.len(), l * nh * hd, "attention: output rows");
+    // every task writes its heads' rows of `out` (L, Hq*D) in place, at their strides: a
+    // prompt's outputs are neither collected a task nor gathered after (at the 0.6B shape
+    // and 64 tokens, 0.5 MB zeroed and 0.5 MB copied a layer on the leading thread)
+    let base = OutPtr(out.as_mut_ptr());
+    let mut firsts: Vec<usize> = (0..nh).step_by(per_task).collect();
+    team::for_each_mut(&mut firsts, |h0| {
+        let o = Out {
+            // SAFETY: h0 < nh, so the offset is within `out` (asserted above).
+            p: unsafe { base.get().add(*h0 * hd) },
+            head: hd,
+            tok: nh * hd,
+        };
+        group(*h0, o)
+    });
+}
+
+/// `out`'s start, shared by the tasks that write its disjoint rows.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: the tasks of one `attend_with` write disjoint rows (their own query heads) through it,
+// and `attend_with` holds `out` borrowed until they are done.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The pointer (a method, so that closures capture the wrapper, not its field).
+    fn get(self) -> *mut f32 {
+        self.0
     }
-    // a task's rows of the output are strided: collect, then gather
-    let mut per_group: Vec<(usize, Vec<f32>)> = (0..nh)
-        .step_by(per_task)
-        .map(|h0| (h0, vec![0f32; per_task * l * hd]))
-        .collect();
-    team::for_each_mut(&mut per_group, |(h0, o)| group(*h0, o));
-    for i in 0..l {
-        for h in 0..nh {
-            let (o, r) = (&per_group[h / per_task].1, h % per_task);
-            out[(i * nh + h) * hd..][..hd].copy_from_slice(&o[(r * l + i) * hd..][..hd]);
-        }
+}
+
+/// Where a `Group` writes: the row of its head `r` at new token `i` is `hd` values at
+/// `p + r·head + i·tok`.
+#[derive(Clone, Copy)]
+struct Out {
+    p: *mut f32,
+    head: usize,
+    tok: usize,
+}
+
+impl Out {
+    /// Head `r`'s row at new token `i`.
+    ///
+    /// # Safety
+    /// `r` and `i` within the group's heads and new tokens.
+    #[inline(always)]
+    unsafe fn row(self, r: usize, i: usize) -> *mut f32 {
+        self.p.add(r * self.head + i * self.tok)
     }
 }
 
@@ -574,21 +604,21 @@ impl<E: KvElem> Group<'_, E> {
     /// decoding at 64-320 positions: attention 12.8-12.9% of a step before, 11.2-11.4% after).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn run_avx2(&self, o: &mut [f32]) {
+    unsafe fn run_avx2(&self, o: Out) {
         self.walk::<Avx2>(o)
     }
 
     /// `run_avx2`'s walk with the AVX-512 kernels (`avx512.rs`; `hd` a multiple of 16).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn run_avx512(&self, o: &mut [f32]) {
+    unsafe fn run_avx512(&self, o: Out) {
         self.walk::<avx512::Avx512>(o)
     }
 
     /// `run_avx2`'s walk with the NEON kernels (`neon.rs`; `hd` a multiple of 8).
     #[cfg(target_arch = "aarch64")]
     #[target_feature(enable = "neon")]
-    unsafe fn run_neon(&self, o: &mut [f32]) {
+    unsafe fn run_neon(&self, o: Out) {
         self.walk::<neon::Neon>(o)
     }
 
@@ -598,7 +628,7 @@ impl<E: KvElem> Group<'_, E> {
     /// it into NaN in earlier tokens' outputs).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn prompt_avx512(&self, o: &mut [f32]) -> bool {
+    unsafe fn prompt_avx512(&self, o: Out) -> bool {
         prompt::run::<avx512::Avx512, E, 16, 6, 4, 6, 4>(self, o)
     }
 
@@ -606,7 +636,7 @@ impl<E: KvElem> Group<'_, E> {
     /// of 8).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn prompt_avx2(&self, o: &mut [f32]) -> bool {
+    unsafe fn prompt_avx2(&self, o: Out) -> bool {
         prompt::run::<Avx2, E, 8, 4, 2, 2, 4>(self, o)
     }
 
@@ -614,13 +644,13 @@ impl<E: KvElem> Group<'_, E> {
     /// multiple of 4).
     #[cfg(target_arch = "aarch64")]
     #[target_feature(enable = "neon")]
-    unsafe fn prompt_neon(&self, o: &mut [f32]) -> bool {
+    unsafe fn prompt_neon(&self, o: Out) -> bool {
         prompt::run::<neon::Neon, E, 4, 6, 4, 4, 4>(self, o)
     }
 
     /// The vector walk of `run_avx2` and `run_neon` with `K`'s kernels, inlined into each.
     #[inline(always)]
-    unsafe fn walk<K: Lanes>(&self, o: &mut [f32]) {
+    unsafe fn walk<K: Lanes>(&self, o: Out) {
         let Group {
             q,
             keys,
@@ -635,9 +665,8 @@ impl<E: KvElem> Group<'_, E> {
         } = *self;
         debug_assert_eq!(hd % 8, 0);
         let t_max = offset + l;
-        debug_assert_eq!(o.len(), rep * l * hd);
         let mut probs = vec![0f32; rep * t_max];
-        let (kp, vp, op) = (keys.as_ptr(), values.as_ptr(), o.as_mut_ptr());
+        let (kp, vp) = (keys.as_ptr(), values.as_ptr());
         for i in 0..l {
             let visible = offset + i + 1;
             let mut r = 0;
@@ -656,14 +685,8 @@ impl<E: KvElem> Group<'_, E> {
                 }
                 K::softmax(sa);
                 K::softmax(sb);
-                // both from the one pointer: a second `as_mut_ptr` through the slice would
-                // reborrow the buffer and invalidate the first (stacked borrows)
-                let oa = op.add((r * l + i) * hd);
-                let ob = if pair {
-                    op.add(((r + 1) * l + i) * hd)
-                } else {
-                    oa
-                };
+                let oa = o.row(r, i);
+                let ob = if pair { o.row(r + 1, i) } else { oa };
                 if pair {
                     K::pv2::<E, true>(sa, sb, vp, hd, oa, ob);
                 } else {
@@ -674,9 +697,13 @@ impl<E: KvElem> Group<'_, E> {
         }
     }
 
-    /// (rep, L, D) outputs into `o`.
+    /// The group's outputs into `o`'s rows.
+    ///
+    /// # Safety
+    /// `o`'s rows of the group's heads and new tokens are `hd` writable values each, which
+    /// nothing else reads or writes meanwhile.
     #[inline(always)]
-    fn run(&self, o: &mut [f32]) {
+    unsafe fn run(&self, o: Out) {
         let Group {
             q,
             keys,
@@ -689,10 +716,11 @@ impl<E: KvElem> Group<'_, E> {
             offset,
             scale,
         } = *self;
-        o.fill(0.0);
         let t_max = offset + l;
         let mut scores = vec![0f32; rep * t_max];
         let mut row = vec![0f32; hd];
+        // a token's sums of every head, written to their rows once complete
+        let mut acc = vec![0f32; rep * hd];
         for i in 0..l {
             let visible = offset + i + 1; // causal: positions 0..=offset+i
             let qh = |r: usize| {
@@ -708,15 +736,19 @@ impl<E: KvElem> Group<'_, E> {
             for r in 0..rep {
                 softmax(&mut scores[r * t_max..r * t_max + visible]);
             }
+            acc.fill(0.0);
             for (t, vt) in values.chunks_exact(hd).take(visible).enumerate() {
                 E::load(vt, &mut row);
                 for r in 0..rep {
                     let p = scores[r * t_max + t];
-                    let oi = &mut o[(r * l + i) * hd..(r * l + i + 1) * hd];
-                    for (a, b) in oi.iter_mut().zip(&row) {
+                    for (a, b) in acc[r * hd..(r + 1) * hd].iter_mut().zip(&row) {
                         *a += p * b;
                     }
                 }
+            }
+            for r in 0..rep {
+                std::slice::from_raw_parts_mut(o.row(r, i), hd)
+                    .copy_from_slice(&acc[r * hd..(r + 1) * hd]);
             }
         }
     }

@@ -11,14 +11,14 @@
 //! alternated runs): walk / this 4.7-5.0 / 4.0 ms at 512 tokens, 18.0-18.6 / 14.7 ms at 1024;
 //! at those lengths attention is 20-30% of the prefill.
 
-use super::{Group, KvElem, Lanes};
+use super::{Group, KvElem, Lanes, Out};
 
 /// New tokens from which `attend_with` takes this path. Below, widening and transposing the
 /// keys costs about what it saves (as above, walk / this: 1 thread 238 / 257 us at 64 tokens,
 /// 720 / 643 at 128; 2 threads 186 / 182 at 64, 319 / 300 at 96).
 pub(super) const MIN_TOKENS: usize = 96;
 
-/// `o` (heads, L, D) for the group's heads, as `Group::run`, with `K`'s softmax and the
+/// `o`'s rows of the group's heads, as `Group::run`, with `K`'s softmax and the
 /// tiles `W`, `QR`, `NK`, `PR`, `DV` (`hd` a multiple of `W`). Inlined into a function
 /// compiled for `K`'s set, whose FMA `mul_add` then is.
 #[inline(always)]
@@ -32,14 +32,14 @@ pub(super) unsafe fn run<
     const DV: usize,
 >(
     g: &Group<E>,
-    o: &mut [f32],
+    o: Out,
 ) -> bool {
     let (hd, l, t_max) = (g.hd, g.l, g.offset + g.l);
     debug_assert!(hd % W == 0 && l > 0);
     // keys padded to whole vectors (scores computed there are never read)
     let tp = t_max.next_multiple_of(W);
     assert!(g.keys.len() >= t_max * hd && g.values.len() >= t_max * hd);
-    assert!(o.len() == g.rep * l * hd && g.q.len() >= l * g.nh * hd && g.h0 + g.rep <= g.nh);
+    assert!(g.q.len() >= l * g.nh * hd && g.h0 + g.rep <= g.nh);
     // taken out of the thread's slot and put back: a closure inside `with` would not be
     // compiled for the caller's vector set (`mul_add` became a libm call)
     let mut sc = SCRATCH.take();
@@ -93,7 +93,7 @@ unsafe fn fill_run<
     const DV: usize,
 >(
     g: &Group<E>,
-    o: &mut [f32],
+    o: Out,
     tp: usize,
     kt: &mut [f32],
     vf: &mut [f32],
@@ -140,7 +140,8 @@ unsafe fn fill_run<
     let rows = rep * l;
     let qrow = |rho: usize| q.as_ptr().add(((rho % l) * nh + h0 + rho / l) * hd);
     let visible = |rho: usize| offset + rho % l + 1;
-    let op = o.as_mut_ptr();
+    // row rho's output: head rho / l, new token rho % l
+    let orow = |rho: usize| o.row(rho / l, rho % l);
     // every row's pointer from these one borrow each (a new `as_mut_ptr` would invalidate
     // the pointers made before it under stacked borrows)
     let (sb, spb) = (s.as_mut_ptr(), spare.as_mut_ptr());
@@ -182,13 +183,8 @@ unsafe fn fill_run<
             for k0 in (0..n).step_by(PR) {
                 let pp: [*const f32; PR] =
                     std::array::from_fn(|k| sb.add(last(k0 + k) * tp + t0).cast_const());
-                let dst: [*mut f32; PR] = std::array::from_fn(|k| {
-                    if k0 + k < n {
-                        op.add((rho0 + k0 + k) * hd)
-                    } else {
-                        spb
-                    }
-                });
+                let dst: [*mut f32; PR] =
+                    std::array::from_fn(|k| if k0 + k < n { orow(rho0 + k0 + k) } else { spb });
                 let (vp, first) = (vf.as_ptr().add(t0 * hd), t0 == 0);
                 let mut d0 = 0;
                 while d0 + DV * W <= hd {
@@ -202,8 +198,7 @@ unsafe fn fill_run<
             }
         }
         for (k, &sum) in sums.iter().enumerate().take(n) {
-            // through `op`: a new borrow of `o` would invalidate it (stacked borrows)
-            let row = std::slice::from_raw_parts_mut(op.add((rho0 + k) * hd), hd);
+            let row = std::slice::from_raw_parts_mut(orow(rho0 + k), hd);
             row.iter_mut().for_each(|v| *v /= sum);
         }
     }
