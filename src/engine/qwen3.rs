@@ -222,7 +222,11 @@ impl Attention {
                 None => {
                     let flat = |t: Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
                     let [q, k, v] = Linear::forward_shared(qkv, x)?;
-                    [flat(q)?, flat(k)?, flat(v)?]
+                    // the copies are the attention core's cost here, as they always were
+                    let t = Instant::now();
+                    let host = [flat(q)?, flat(k)?, flat(v)?];
+                    profile::add(Part::Attention, t);
+                    host
                 }
             };
             let t0 = Instant::now();

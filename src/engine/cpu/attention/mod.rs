@@ -519,8 +519,16 @@ fn attend_with<E: KvElem>(
             _ => unsafe { grp.run(o) },
         }
     };
-    debug_assert_eq!(rep % per_task, 0);
+    // a task's heads share one KV head and the tasks' heads tile the row: the rows written
+    // through `OutPtr` below are then disjoint and within `out`
+    assert!(
+        per_task > 0 && rep % per_task == 0,
+        "attention: {per_task} heads a task"
+    );
     assert_eq!(out.len(), l * nh * hd, "attention: output rows");
+    if l == 0 {
+        return;
+    }
     // every task writes its heads' rows of `out` (L, Hq*D) in place, at their strides: a
     // prompt's outputs are neither collected a task nor gathered after (at the 0.6B shape
     // and 64 tokens, 0.5 MB zeroed and 0.5 MB copied a layer on the leading thread)
@@ -528,7 +536,7 @@ fn attend_with<E: KvElem>(
     let mut firsts: Vec<usize> = (0..nh).step_by(per_task).collect();
     team::for_each_mut(&mut firsts, |h0| {
         let o = Out {
-            // SAFETY: h0 < nh, so the offset is within `out` (asserted above).
+            // SAFETY: h0 < nh and l > 0, so the offset is within `out` (asserted above).
             p: unsafe { base.get().add(*h0 * hd) },
             head: hd,
             tok: nh * hd,
@@ -1305,6 +1313,13 @@ mod tests {
                 keys.extend_from_slice(&kn);
                 values.extend_from_slice(&vn);
                 let want = reference(&qn, &keys, &values, nh, nkv, hd, l, offset);
+                // every output written (`got` starts as NaN, which `f32::max` would skip)
+                let unwritten = got.iter().filter(|x| !x.is_finite()).count();
+                assert_eq!(
+                    unwritten, 0,
+                    "hd {hd} kernels {simd:?} one head a task {one_head_a_task} heads {nh}/{nkv} \
+                     step {step}: outputs not written"
+                );
                 let err = got
                     .iter()
                     .zip(&want)
