@@ -198,12 +198,21 @@ impl Linear {
         if let Some(ys) = Self::try_shared(&ls, x)? {
             return Ok(ys);
         }
+        Self::forward_each(ls, x)
+    }
+
+    /// `forward` of each of `ls` on the same `x`, one after the other (where `shared_host` has
+    /// no path).
+    pub(crate) fn forward_each<const N: usize>(
+        ls: [&Linear; N],
+        x: &Tensor,
+    ) -> Result<[Tensor; N]> {
         let mut out = Vec::with_capacity(N);
         for l in ls {
             out.push(l.forward(x)?);
         }
         out.try_into()
-            .map_err(|_| EngineError::Internal("forward_shared: wrong count".into()))
+            .map_err(|_| EngineError::Internal("forward_each: wrong count".into()))
     }
 
     fn try_shared<const N: usize>(ls: &[&Linear; N], x: &Tensor) -> Result<Option<[Tensor; N]>> {
@@ -221,7 +230,7 @@ impl Linear {
 
     /// `forward_shared`'s CPU path with the outputs as host vectors, each (L, out) row-major,
     /// LoRA added: `None` where it has none (not the CPU or f32 rows, or a matrix the shared
-    /// kernels do not take), for the caller to run `forward_shared`. `x` is read where it
+    /// kernels do not take), for the caller to run `forward_each`. `x` is read where it
     /// lies, not copied out of its tensor first.
     pub(crate) fn shared_host<const N: usize>(
         ls: &[&Linear; N],

@@ -221,7 +221,7 @@ impl Attention {
                 Some(qkv) => qkv,
                 None => {
                     let flat = |t: Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
-                    let [q, k, v] = Linear::forward_shared(qkv, x)?;
+                    let [q, k, v] = Linear::forward_each(qkv, x)?;
                     // the copies are the attention core's cost here, as they always were
                     let t = Instant::now();
                     let host = [flat(q)?, flat(k)?, flat(v)?];

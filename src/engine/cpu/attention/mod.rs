@@ -520,7 +520,7 @@ fn attend_with<E: KvElem>(
         }
     };
     // a task's heads share one KV head and the tasks' heads tile the row: the rows written
-    // through `OutPtr` below are then disjoint and within `out`
+    // through `Out` below are then disjoint and within `out`
     assert!(
         per_task > 0 && rep % per_task == 0,
         "attention: {per_task} heads a task"
@@ -532,32 +532,20 @@ fn attend_with<E: KvElem>(
     // every task writes its heads' rows of `out` (L, Hq*D) in place, at their strides: a
     // prompt's outputs are neither collected a task nor gathered after (at the 0.6B shape
     // and 64 tokens, 0.5 MB zeroed and 0.5 MB copied a layer on the leading thread)
-    let base = OutPtr(out.as_mut_ptr());
+    let base = Out {
+        p: out.as_mut_ptr(),
+        head: hd,
+        tok: nh * hd,
+    };
     let mut firsts: Vec<usize> = (0..nh).step_by(per_task).collect();
     team::for_each_mut(&mut firsts, |h0| {
+        // SAFETY: h0 < nh and l > 0, so head h0's first row is within `out` (asserted above).
         let o = Out {
-            // SAFETY: h0 < nh and l > 0, so the offset is within `out` (asserted above).
-            p: unsafe { base.get().add(*h0 * hd) },
-            head: hd,
-            tok: nh * hd,
+            p: unsafe { base.row(*h0, 0) },
+            ..base
         };
         group(*h0, o)
     });
-}
-
-/// `out`'s start, shared by the tasks that write its disjoint rows.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: the tasks of one `attend_with` write disjoint rows (their own query heads) through it,
-// and `attend_with` holds `out` borrowed until they are done.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    /// The pointer (a method, so that closures capture the wrapper, not its field).
-    fn get(self) -> *mut f32 {
-        self.0
-    }
 }
 
 /// Where a `Group` writes: the row of its head `r` at new token `i` is `hd` values at
@@ -568,6 +556,11 @@ struct Out {
     head: usize,
     tok: usize,
 }
+
+// SAFETY: the tasks of one `attend_with` share its `Out` and write disjoint rows through it
+// (each its own query heads), and `attend_with` holds `out` borrowed until they are done.
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
 
 impl Out {
     /// Head `r`'s row at new token `i`.
