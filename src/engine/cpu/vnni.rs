@@ -216,32 +216,48 @@ fn prepare(x: &[f32], m: usize, k: usize, isa: Isa) -> Acts {
         sx: vec![0.0; mt * kbs * TV],
         kbs,
     };
-    a.q.par_chunks_mut(kbs * PAIRS * TV)
-        .zip(
-            a.d.par_chunks_mut(kbs * TV)
-                .zip(a.sx.par_chunks_mut(kbs * TV)),
-        )
+    // tasks of `g` blocks of one token vector: a vector a task left all but 4 of 16 threads
+    // idle in a 64-token prompt (the Xeon, twenty-ninth session)
+    let g = prepare_blocks(kbs, mt, TV.min(m));
+    a.q.par_chunks_mut(g * PAIRS * TV)
+        .zip(a.d.par_chunks_mut(g * TV).zip(a.sx.par_chunks_mut(g * TV)))
         .enumerate()
-        .for_each(|(j, (q, (d, sx)))| {
+        .for_each(|(c, (q, (d, sx)))| {
+            let (j, kb0) = (c / (kbs / g), c % (kbs / g) * g);
+            let kbr = kb0..kb0 + g;
             if isa == Isa::Avx512Vnni {
                 // SAFETY: the CPU has AVX-512 VNNI (`run_on`'s caller checked).
-                unsafe { simd::prepare_vector(x, m, k, j, q, d, sx) }
+                unsafe { simd::prepare_vector(x, m, k, j, kbr, q, d, sx) }
             } else {
                 // SAFETY: the CPU has AVX2 (`run_on`'s caller checked).
-                unsafe { simd256::prepare_vector(x, m, k, j, q, d, sx) }
+                unsafe { simd256::prepare_vector(x, m, k, j, kbr, q, d, sx) }
             }
         });
     a
 }
 
-/// `prepare`'s work for token vector `j`: the definition, which `simd::prepare_vector`
-/// matches bit for bit (tested); `simd256` compiles it for AVX2.
+/// Blocks a task of an activation layout pass takes (`vnni::prepare`, `amx::prepare`): a
+/// divisor of `kbs`, so that a task stays within one token vector of `vectors`; ~4 tasks a
+/// thread, and no fewer than ~2048 values a task (`tokens` a vector).
+pub(crate) fn prepare_blocks(kbs: usize, vectors: usize, tokens: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    let want = (vectors * kbs).div_ceil(4 * threads);
+    let least = 2048usize.div_ceil(tokens.max(1) * KB);
+    let g = want.max(least).min(kbs).max(1);
+    (1..=g).rev().find(|g| kbs.is_multiple_of(*g)).unwrap_or(1)
+}
+
+/// `prepare`'s work for blocks `kbr` of token vector `j` (`q`, `d` and `sx` from block
+/// `kbr.start` on): the definition, which `simd::prepare_vector` matches bit for bit
+/// (tested); `simd256` compiles it for AVX2.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn prepare_vector(
     x: &[f32],
     m: usize,
     k: usize,
     j: usize,
+    kbr: std::ops::Range<usize>,
     q: &mut [i32],
     d: &mut [f32],
     sx: &mut [f32],
@@ -249,9 +265,12 @@ fn prepare_vector(
     let mut v = [0i32; KB];
     for t in 0..TV.min(m - j * TV) {
         let row = &x[(j * TV + t) * k..][..k];
-        for (kb, blk) in row.chunks_exact(KB).enumerate() {
-            (d[kb * TV + t], sx[kb * TV + t]) = quantize(blk, &mut v);
-            let dst = &mut q[kb * PAIRS * TV..][..PAIRS * TV];
+        for (u, blk) in row[kbr.start * KB..kbr.end * KB]
+            .chunks_exact(KB)
+            .enumerate()
+        {
+            (d[u * TV + t], sx[u * TV + t]) = quantize(blk, &mut v);
+            let dst = &mut q[u * PAIRS * TV..][..PAIRS * TV];
             for p in 0..PAIRS {
                 dst[p * TV + t] = pair(v[2 * p], v[2 * p + 1]);
             }
@@ -431,16 +450,18 @@ mod simd256 {
     /// # Safety
     /// The CPU has AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn prepare_vector(
         x: &[f32],
         m: usize,
         k: usize,
         j: usize,
+        kbr: std::ops::Range<usize>,
         q: &mut [i32],
         d: &mut [f32],
         sx: &mut [f32],
     ) {
-        super::prepare_vector(x, m, k, j, q, d, sx)
+        super::prepare_vector(x, m, k, j, kbr, q, d, sx)
     }
 
     /// `simd::tile` with AVX-VNNI.
@@ -603,6 +624,10 @@ mod simd256 {
         }
     }
 }
+
+/// The AVX-512 block quantization and word transpose, for `amx.rs`'s layout pass too.
+#[cfg(target_arch = "x86_64")]
+pub(crate) use simd::{quantize16, transpose16};
 
 #[cfg(target_arch = "x86_64")]
 mod simd {
@@ -772,6 +797,45 @@ mod simd {
         f
     }
 
+    /// `super::quantize` of the 64 values at `p` in 16 lanes: the lane-wise max and sum in
+    /// its order, the lanes' sum folded by the same scalar code, rounded with `cvtps2dq` (ties
+    /// to even, as its trick does): the codes as i32 in four vectors, `d` and `Σx`, the same
+    /// bits (tested through `prepare_vector`).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F; `p` points at 64 readable values.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    pub(crate) unsafe fn quantize16(p: *const f32) -> ([__m512i; 4], f32, f32) {
+        // no closures or array maps here: they would not inherit the target features, and
+        // their intrinsics would be calls
+        let lim = _mm512_set1_epi32(QMAX as i32);
+        let neg = _mm512_sub_epi32(_mm512_setzero_si512(), lim);
+        let mut v = [_mm512_setzero_ps(); 4];
+        let (mut mx, mut sm) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        for (c, v) in v.iter_mut().enumerate() {
+            *v = _mm512_loadu_ps(p.add(16 * c));
+            mx = _mm512_max_ps(mx, _mm512_abs_ps(*v));
+            sm = _mm512_add_ps(sm, *v);
+        }
+        let mut lanes = [0f32; 16];
+        _mm512_storeu_ps(lanes.as_mut_ptr(), sm);
+        let sum: f32 = lanes.iter().sum();
+        let amax = _mm512_reduce_max_ps(mx);
+        let dt = amax / QMAX;
+        let inv = _mm512_set1_ps(if dt >= f32::MIN_POSITIVE {
+            1.0 / dt
+        } else {
+            0.0
+        });
+        let mut codes = [_mm512_setzero_si512(); 4];
+        for (q, v) in codes.iter_mut().zip(v) {
+            let qi = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
+            *q = _mm512_max_epi32(_mm512_min_epi32(qi, lim), neg);
+        }
+        (codes, dt, sum)
+    }
+
     /// `super::prepare_vector` in 16 lanes: a token's block as four vectors (the lane-wise max
     /// and sum in `quantize`'s order, the lanes' sum folded by the same scalar code), rounded
     /// with `cvtps2dq` (ties to even, as `quantize`'s trick), narrowed to 16 bits; then the 16
@@ -780,58 +844,40 @@ mod simd {
     /// # Safety
     /// The CPU has AVX-512 F/BW/VL.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn prepare_vector(
         x: &[f32],
         m: usize,
         k: usize,
         j: usize,
+        kbr: std::ops::Range<usize>,
         q: &mut [i32],
         d: &mut [f32],
         sx: &mut [f32],
     ) {
         let tokens = TV.min(m - j * TV);
-        let kbs = k / KB;
-        assert!(x.len() >= (j * TV + tokens) * k && q.len() >= kbs * PAIRS * TV);
-        assert!(d.len() >= kbs * TV && sx.len() >= kbs * TV);
-        let lim = _mm512_set1_epi32(QMAX as i32);
-        for kb in 0..kbs {
+        let n = kbr.len();
+        assert!(kbr.end <= k / KB && x.len() >= (j * TV + tokens) * k);
+        assert!(q.len() >= n * PAIRS * TV && d.len() >= n * TV && sx.len() >= n * TV);
+        for (u, kb) in kbr.enumerate() {
             // pairs 0..16 and 16..32 of each token, as rows to transpose
             let mut lo = [_mm512_setzero_ps(); 16];
             let mut hi = [_mm512_setzero_ps(); 16];
             for t in 0..tokens {
                 let p = x.as_ptr().add((j * TV + t) * k + kb * KB);
-                let v: [__m512; 4] = std::array::from_fn(|c| _mm512_loadu_ps(p.add(16 * c)));
-                let (mut mx, mut sm) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-                for c in v {
-                    mx = _mm512_max_ps(mx, _mm512_abs_ps(c));
-                    sm = _mm512_add_ps(sm, c);
+                let (codes, dt, sum) = quantize16(p);
+                let mut w = [_mm256_setzero_si256(); 4];
+                for (w, q) in w.iter_mut().zip(codes) {
+                    *w = _mm512_cvtepi32_epi16(q);
                 }
-                let mut lanes = [0f32; 16];
-                _mm512_storeu_ps(lanes.as_mut_ptr(), sm);
-                let sum: f32 = lanes.iter().sum();
-                let amax = _mm512_reduce_max_ps(mx);
-                let dt = amax / QMAX;
-                let inv = _mm512_set1_ps(if dt >= f32::MIN_POSITIVE {
-                    1.0 / dt
-                } else {
-                    0.0
-                });
-                let w: [__m256i; 4] = std::array::from_fn(|c| {
-                    let qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[c], inv));
-                    let qi = _mm512_max_epi32(
-                        _mm512_min_epi32(qi, lim),
-                        _mm512_sub_epi32(_mm512_setzero_si512(), lim),
-                    );
-                    _mm512_cvtepi32_epi16(qi)
-                });
                 let join = |a: __m256i, b: __m256i| {
                     _mm512_castsi512_ps(_mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b))
                 };
                 lo[t] = join(w[0], w[1]);
                 hi[t] = join(w[2], w[3]);
-                (d[kb * TV + t], sx[kb * TV + t]) = (dt, sum);
+                (d[u * TV + t], sx[u * TV + t]) = (dt, sum);
             }
-            let dst = q.as_mut_ptr().add(kb * PAIRS * TV);
+            let dst = q.as_mut_ptr().add(u * PAIRS * TV);
             for (h, rows) in [lo, hi].into_iter().enumerate() {
                 for (p, v) in transpose16(rows).iter().enumerate() {
                     _mm512_storeu_ps(dst.add((16 * h + p) * TV) as *mut f32, *v);
@@ -891,7 +937,7 @@ mod simd {
 
     /// A 16x16 f32 transpose: `out[c]` lane `r` is `v[r]` lane `c`.
     #[inline(always)]
-    pub(super) unsafe fn transpose16(v: [__m512; 16]) -> [__m512; 16] {
+    pub(crate) unsafe fn transpose16(v: [__m512; 16]) -> [__m512; 16] {
         // pairs of rows interleaved: t[2i] lane L holds r2i[4L], r2i+1[4L], r2i[4L+1], r2i+1[4L+1]
         let mut t = [_mm512_setzero_ps(); 16];
         for i in 0..8 {
@@ -1000,21 +1046,71 @@ mod tests {
         x[2 * k..2 * k + KB].iter_mut().for_each(|v| *v /= 3.0);
         x[2 * k] = 2.0;
         x[2 * k + 1] = 1.0;
-        for j in 0..m.div_ceil(TV) {
-            let kbs = k / KB;
+        let kbs = k / KB;
+        // every block of a vector, and a run of them from the second on (a task's share)
+        for (j, kbr) in (0..m.div_ceil(TV)).flat_map(|j| [(j, 0..kbs), (j, 1..kbs - 1)]) {
+            let n = kbr.len();
             let mut want = (
-                vec![0; kbs * PAIRS * TV],
-                vec![0.0; kbs * TV],
-                vec![0.0; kbs * TV],
+                vec![0; n * PAIRS * TV],
+                vec![0.0; n * TV],
+                vec![0.0; n * TV],
             );
             let mut got = want.clone();
-            prepare_vector(&x, m, k, j, &mut want.0, &mut want.1, &mut want.2);
+            let (w, g) = (&mut want, &mut got);
+            prepare_vector(&x, m, k, j, kbr.clone(), &mut w.0, &mut w.1, &mut w.2);
             // SAFETY: the CPU has AVX-512.
-            unsafe { simd::prepare_vector(&x, m, k, j, &mut got.0, &mut got.1, &mut got.2) };
-            assert_eq!(got.0, want.0, "token vector {j}: codes");
+            unsafe { simd::prepare_vector(&x, m, k, j, kbr.clone(), &mut g.0, &mut g.1, &mut g.2) };
+            assert_eq!(got.0, want.0, "token vector {j}, blocks {kbr:?}: codes");
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&got.1), bits(&want.1), "token vector {j}: scales");
-            assert_eq!(bits(&got.2), bits(&want.2), "token vector {j}: sums");
+            assert_eq!(
+                bits(&got.1),
+                bits(&want.1),
+                "vector {j}, blocks {kbr:?}: scales"
+            );
+            assert_eq!(
+                bits(&got.2),
+                bits(&want.2),
+                "vector {j}, blocks {kbr:?}: sums"
+            );
+        }
+    }
+
+    /// The layout pass is the same whatever its tasks: a pool of 1, 3 and 16 threads (tasks
+    /// of every block of a vector down to one block), on each instruction set the CPU has;
+    /// each task's share divides a vector's blocks.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn prepare_is_the_same_on_any_pool() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(6);
+        for (m, k) in [(64, 1024), (21, 320), (2, 3072), (40, 64 * 7)] {
+            let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+            for isa in [Isa::Avx512Vnni, Isa::Avx2] {
+                if !isa.supported() {
+                    eprintln!("prepare_is_the_same_on_any_pool: {isa:?} not on this CPU");
+                    continue;
+                }
+                let on = |threads: usize| {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
+                    let pool = pool.expect("a test pool");
+                    let g = pool.install(|| prepare_blocks(k / KB, m.div_ceil(TV), TV.min(m)));
+                    assert_eq!((k / KB) % g, 0, "{threads} threads: {g} blocks a task");
+                    let a = pool.install(|| prepare(&x, m, k, isa));
+                    (
+                        a.q,
+                        a.d.iter()
+                            .chain(&a.sx)
+                            .map(|v| v.to_bits())
+                            .collect::<Vec<_>>(),
+                    )
+                };
+                let one = on(1);
+                for threads in [3, 16] {
+                    assert!(
+                        on(threads) == one,
+                        "{isa:?}, m {m}, k {k}: {threads} threads"
+                    );
+                }
+            }
         }
     }
 
