@@ -394,13 +394,16 @@ impl Linear {
         done
     }
 
-    /// `forward_shared` of one row on host slices, into `ys` (one value per output of each
-    /// of `ls`): the CPU decode step's path (`Qwen3::decode_host`). The integer kernel writes
-    /// there directly, LoRA branches included; anything else goes through `forward_shared`
-    /// and is copied over.
+    /// `forward_shared` of `m` rows on host slices, into `ys` (`m` rows of each of `ls`'s
+    /// outputs, row-major): the CPU's host passes (`Qwen3::forward_host`). A decode row's
+    /// integer kernel writes there directly, LoRA branches included; a prompt's shared GEMM
+    /// too (`quant::qmatmul_shared_into`), its branches added on the host where
+    /// `LoraBranch::add_rows` can, else through tensors as `shared_host` does; anything else
+    /// goes through `forward_shared` and is copied over.
     pub(crate) fn forward_host<const N: usize>(
         ls: [&Linear; N],
         x: &[f32],
+        m: usize,
         acts: &mut crate::engine::cpu::quant::IntActs,
         ys: [&mut [f32]; N],
     ) -> Result<()> {
@@ -413,13 +416,32 @@ impl Linear {
             })
             .collect();
         let mut ys = ys;
-        if let Some(ws) = ws {
+        if let (Some(ws), 1) = (&ws, m) {
             let outs = ys.iter_mut().map(|y| &mut **y).collect();
-            if Self::matvec_into(&ls, &ws, x, kernel, acts, outs) {
+            if Self::matvec_into(&ls, ws, x, kernel, acts, outs) {
                 return Ok(());
             }
         }
-        let xt = Tensor::from_slice(x, (1, x.len()), &Device::Cpu)?;
+        let t = Instant::now();
+        let shared = ws.as_ref().is_some_and(|ws| {
+            crate::engine::cpu::quant::qmatmul_shared_into(ws, x, m, kernel, &mut ys)
+        });
+        if shared {
+            profile::add(ls[0].part, t);
+            for (l, y) in ls.iter().zip(ys.iter_mut()) {
+                let Some(b) = &l.lora else { continue };
+                let t = Instant::now();
+                if !b.add_rows(x, y) {
+                    let n = y.len() / m;
+                    let xt = Tensor::from_slice(x, (m, x.len() / m), &Device::Cpu)?;
+                    let yt = Tensor::from_slice(y, (m, n), &Device::Cpu)?;
+                    y.copy_from_slice(&b.add_to(&xt, yt)?.flatten_all()?.to_vec1::<f32>()?);
+                }
+                profile::add(Part::Lora, t);
+            }
+            return Ok(());
+        }
+        let xt = Tensor::from_slice(x, (m, x.len() / m.max(1)), &Device::Cpu)?;
         for (y, t) in ys.iter_mut().zip(Self::forward_shared(ls, &xt)?) {
             let t = t.flatten_all()?.to_dtype(candle_core::DType::F32)?;
             if t.dim(0)? != y.len() {
@@ -646,7 +668,7 @@ mod tests {
                         unreachable!()
                     };
                     let mut acts = crate::engine::cpu::quant::IntActs::default();
-                    Linear::forward_host([&ls[0], &ls[1], &ls[2]], &x, &mut acts, [y0, y1, y2])
+                    Linear::forward_host([&ls[0], &ls[1], &ls[2]], &x, 1, &mut acts, [y0, y1, y2])
                         .expect("forward_host");
                     ys
                 };

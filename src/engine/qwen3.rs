@@ -97,10 +97,13 @@ fn rope_tables(cfg: &Qwen3Config, offset: usize, len: usize, dev: &Device) -> Re
     })
 }
 
-/// A CPU decode step's vectors, kept from layer to layer and token to token
-/// (`Qwen3::decode_host`): no allocation, and no tensor, between the step's regions.
+/// A CPU pass's vectors, `rows` positions of each, row-major (`Qwen3::forward_host`): kept
+/// from layer to layer (and, for decode steps, token to token): no allocation, and no tensor,
+/// between the pass's regions.
 #[derive(Default)]
 struct HostStep {
+    /// positions in the pass
+    rows: usize,
     /// (H) the residual stream
     x: Vec<f32>,
     /// (H) a norm's output, the input of q|k|v and gate|up
@@ -124,9 +127,11 @@ struct HostStep {
 }
 
 impl HostStep {
-    fn size_for(&mut self, cfg: &Qwen3Config) {
+    /// Every vector for `rows` positions (the logits for one: the last).
+    fn size_for(&mut self, cfg: &Qwen3Config, rows: usize) {
         let (h, hd, i) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
         let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+        self.rows = rows;
         for (v, n) in [
             (&mut self.h, h),
             (&mut self.q, q),
@@ -137,10 +142,10 @@ impl HostStep {
             (&mut self.g, i),
             (&mut self.u, i),
             (&mut self.a, i),
-            (&mut self.logits, cfg.vocab_size),
         ] {
-            v.resize(n, 0.0);
+            v.resize(n * rows, 0.0);
         }
+        self.logits.resize(cfg.vocab_size, 0.0);
     }
 }
 
@@ -292,8 +297,8 @@ impl Attention {
         self.o_proj.forward(&out)
     }
 
-    /// `forward` of one position on the host step's vectors: `s.h` in, `s.o` out; `cos`,
-    /// `sin`: (D/2) for this position.
+    /// `forward` on the host pass's vectors: `s.h` in, `s.o` out; `cos`, `sin`: (L, D/2) for
+    /// the pass's positions.
     fn forward_host(
         &mut self,
         s: &mut HostStep,
@@ -302,6 +307,7 @@ impl Attention {
         next: Ahead,
     ) -> Result<()> {
         let HostStep {
+            rows,
             h,
             q,
             k,
@@ -311,12 +317,8 @@ impl Attention {
             acts,
             ..
         } = s;
-        Linear::forward_host(
-            [&self.q_proj, &self.k_proj, &self.v_proj],
-            h,
-            acts,
-            [q, k, v],
-        )?;
+        let qkv = [&self.q_proj, &self.k_proj, &self.v_proj];
+        Linear::forward_host(qkv, h, *rows, acts, [q, k, v])?;
         let t0 = Instant::now();
         let dims = Dims {
             n_heads: self.n_heads,
@@ -328,7 +330,7 @@ impl Attention {
         attention::attend_into(&dims, q, k, v, qn, kn, cos, sin, &mut self.host_kv, att);
         profile::add(Part::Attention, t0);
         team::read_ahead(next);
-        Linear::forward_host([&self.o_proj], att, acts, [o])
+        Linear::forward_host([&self.o_proj], att, *rows, acts, [o])
     }
 }
 
@@ -368,10 +370,11 @@ impl Mlp {
         self.down_proj.forward(&a)
     }
 
-    /// `forward` on the host step's vectors: `s.h` in, `s.o` out.
+    /// `forward` on the host pass's vectors: `s.h` in, `s.o` out.
     fn forward_host(&self, s: &mut HostStep, next: Ahead) -> Result<()> {
         team::read_ahead(Linear::lead_in(&[&self.down_proj]));
         let HostStep {
+            rows,
             h,
             g,
             u,
@@ -380,10 +383,10 @@ impl Mlp {
             acts,
             ..
         } = s;
-        Linear::forward_host([&self.gate_proj, &self.up_proj], h, acts, [g, u])?;
+        Linear::forward_host([&self.gate_proj, &self.up_proj], h, *rows, acts, [g, u])?;
         cpu::act::silu_mul(g, u, a);
         team::read_ahead(next);
-        Linear::forward_host([&self.down_proj], a, acts, [o])
+        Linear::forward_host([&self.down_proj], a, *rows, acts, [o])
     }
 }
 
@@ -453,8 +456,7 @@ impl DecoderLayer {
         Ok((h + self.mlp.forward(&m, next)?)?)
     }
 
-    /// `forward` of one position on the host step's vectors: the residual stream `s.x` is
-    /// updated in place.
+    /// `forward` on the host pass's vectors: the residual stream `s.x` is updated in place.
     fn forward_host(
         &mut self,
         s: &mut HostStep,
@@ -514,8 +516,8 @@ pub struct Qwen3 {
     suspended: Vec<Option<crate::engine::lora::LoraBranch>>,
     /// The CPU decode step's vectors (`decode_host`).
     host: HostStep,
-    /// Decode on the CPU through tensors as a prompt does (tests compare the two).
-    tensor_decode: bool,
+    /// Decode and prompts on the CPU through tensors (tests compare the two paths).
+    tensor_path: bool,
 }
 
 impl Qwen3 {
@@ -574,7 +576,7 @@ impl Qwen3 {
             fused: None,
             suspended: Vec::new(),
             host: HostStep::default(),
-            tensor_decode: false,
+            tensor_path: false,
         };
         #[cfg(feature = "cuda")]
         if let (Device::Cuda(dev), true) = (&opts.device, opts.cuda_step != CudaStep::Ops) {
@@ -847,10 +849,11 @@ impl Qwen3 {
         }
     }
 
-    /// Decode positions on the CPU through tensors, as a prompt's are (`on`), or on the host
-    /// step (`decode_host`, the default); the tests compare the two.
-    pub fn use_tensor_decode(&mut self, on: bool) {
-        self.tensor_decode = on;
+    /// Decode positions and prompts on the CPU through tensors (`on`), as forwards that keep
+    /// hidden states or every position's logits do, or on host vectors (`decode_host`,
+    /// `prompt_host`: the default); the tests compare the two.
+    pub fn use_tensor_path(&mut self, on: bool) {
+        self.tensor_path = on;
     }
 
     /// Tokens already in the KV cache.
@@ -951,10 +954,10 @@ impl Qwen3 {
         })
     }
 
-    /// Whether a CPU decode step runs on host vectors (`decode_host`): the CPU device, with
+    /// Whether a CPU pass runs on host vectors (`decode_host`, `prompt_host`): the CPU device, with
     /// `cpu::attention` (not the candle ops the tests compare it with).
     fn host_step_ok(&self) -> bool {
-        !self.tensor_decode
+        !self.tensor_path
             && self.device.is_cpu()
             && self.fused.is_none()
             && !self.layers.iter().any(|l| l.self_attn.reference_path)
@@ -966,30 +969,48 @@ impl Qwen3 {
     /// residual adds, `silu · up`, the activations' quantization) touches no allocator.
     fn decode_host(&mut self, id: u32) -> Result<()> {
         let mut s = std::mem::take(&mut self.host);
-        let out = self.decode_host_with(id, &mut s);
+        let out = self.forward_host(&[id], &mut s);
         self.host = s;
         out
     }
 
-    fn decode_host_with(&mut self, id: u32, s: &mut HostStep) -> Result<()> {
-        let x = self.embed_tokens.forward(&[id], &self.device)?; // (1, H)
+    /// A prompt (chunk) on the CPU on host vectors, as `decode_host` runs a position: the
+    /// shared GEMMs write into the pass's buffers (`quant::qmatmul_shared_into`), the
+    /// attention core reads q|k|v there, and no tensor is made between the layers' regions
+    /// (through tensors, a 64-token 0.6B pass allocated ~5 MB a layer, much of it fresh
+    /// pages for the kernel to clear). The buffers are this call's: a chunk's are megabytes,
+    /// kept only while it runs. Returns the logits of its last position.
+    fn prompt_host(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
+        let mut s = HostStep::default();
+        self.forward_host(ids, &mut s)?;
+        Ok(s.logits)
+    }
+
+    /// `forward_on_workers`' arithmetic for `ids` on `s`, the logits of the last position
+    /// (the head reads it alone) left in `s.logits`.
+    fn forward_host(&mut self, ids: &[u32], s: &mut HostStep) -> Result<()> {
+        let l = ids.len();
+        let x = self.embed_tokens.forward(ids, &self.device)?; // (L, H)
         s.x = x.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-        s.size_for(&self.cfg);
+        s.size_for(&self.cfg, l);
         let offset = self.cached.len();
-        let (cos, sin) = rope_angles(self.cfg.rope_theta, self.cfg.head_dim, offset..offset + 1);
+        let (cos, sin) = rope_angles(self.cfg.rope_theta, self.cfg.head_dim, offset..offset + l);
         let head = Linear::lead_in(&[&self.lm_head]);
         for i in 0..self.layers.len() {
             let (this, rest) = self.layers.split_at_mut(i + 1);
             let next = rest.first().map_or(head, DecoderLayer::lead_in);
             this[i].forward_host(s, &cos, &sin, next)?;
         }
-        self.cached.push(id);
-        let eps = self.cfg.rms_norm_eps as f32;
-        cpu::norm::rms_norm_rows(&s.x, &self.norm_host, eps, &mut s.h);
+        self.cached.extend_from_slice(ids);
+        let (eps, h) = (self.cfg.rms_norm_eps as f32, self.cfg.hidden_size);
+        cpu::norm::rms_norm_rows(&s.x[(l - 1) * h..], &self.norm_host, eps, &mut s.h[..h]);
         let HostStep {
-            h, logits, acts, ..
+            h: hv,
+            logits,
+            acts,
+            ..
         } = s;
-        Linear::forward_host([&self.lm_head], h, acts, [logits])
+        Linear::forward_host([&self.lm_head], &hv[..h], 1, acts, [logits])
     }
 
     /// `forward` proper (on a worker thread when the device is the CPU).
@@ -1005,10 +1026,14 @@ impl Qwen3 {
                 "forward needs at least one token".into(),
             ));
         }
-        if l == 1 && !keep_hidden && self.host_step_ok() {
-            self.decode_host(ids[0])?;
+        if !keep_hidden && (l == 1 || !all_logits) && self.host_step_ok() {
             let v = self.cfg.vocab_size;
-            let logits = Tensor::from_slice(&self.host.logits, (1, v), &self.device)?;
+            let logits = if l == 1 {
+                self.decode_host(ids[0])?;
+                Tensor::from_slice(&self.host.logits, (1, v), &self.device)?
+            } else {
+                Tensor::from_vec(self.prompt_host(ids)?, (1, v), &self.device)?
+            };
             return Ok(ForwardOutput {
                 logits,
                 hidden: Vec::new(),

@@ -619,34 +619,44 @@ fn fused_cuda_sampler_draws_what_the_reference_draws() {
     assert!(near_ties < 3, "{near_ties} near-ties in 400 draws");
 }
 
-/// The CPU's decode step on host vectors (`Qwen3::decode_host`: every region's kernel writing
-/// into buffers kept across tokens) is the tensor path's arithmetic: the same logits, bit for
-/// bit, token after token, on every variant (the ones the integer kernel does not take go
-/// through the tensor fallback inside it), with and without LoRA, both kernels.
+/// The CPU's host passes (`Qwen3::decode_host`, `prompt_host`: every region's kernel writing
+/// into buffers, no tensors between them) are the tensor path's arithmetic: the same logits,
+/// bit for bit, for a whole prompt, token after token of decode, and a prompt in three chunks
+/// (27, 24 and 3 tokens: at an offset, and too short for the shared GEMM, whose fallback
+/// inside the host pass goes through tensors), on every variant (the ones the integer kernels
+/// do not take go through that fallback too), with and without LoRA, both kernels.
 #[test]
-fn host_decode_step_equals_tensor_decode() {
+fn host_passes_equal_tensor_passes() {
     if !test_device().is_cpu() {
         eprintln!(
-            "host_decode_step_equals_tensor_decode: the host step is the CPU's; not run on {:?}",
+            "host_passes_equal_tensor_passes: the host passes are the CPU's; not run on {:?}",
             test_device()
         );
         return;
     }
     for (v, _) in variants() {
         let ids = Reference::open(&v).prompt_ids();
+        assert!(
+            ids.len() > 51,
+            "{v}: the chunks below need more than 51 prompt tokens"
+        );
         for lora in [false, true] {
             for kernel in [Numerics::Fast, Numerics::Exact] {
                 let mut m = load(&v, lora, kernel);
                 let mut runs = Vec::new();
                 for tensor in [false, true] {
-                    m.use_tensor_decode(tensor);
+                    m.use_tensor_path(tensor);
                     m.reset();
                     let mut logits = to_vec(&m.forward(&ids, false, false).unwrap().logits);
-                    let mut all = Vec::new();
+                    let mut all = logits.clone();
                     for _ in 0..6 {
                         let id = Qwen3::argmax(&logits);
                         logits = m.next_logits(&[id]).unwrap();
                         all.extend_from_slice(&logits);
+                    }
+                    m.reset();
+                    for chunk in [&ids[..27], &ids[27..51], &ids[51..]] {
+                        all.extend(to_vec(&m.forward(chunk, false, false).unwrap().logits));
                     }
                     runs.push(all);
                 }
@@ -659,7 +669,7 @@ fn host_decode_step_equals_tensor_decode() {
                     .count();
                 assert_eq!(
                     differ, 0,
-                    "{what}: {differ} logits differ between the host and tensor decode"
+                    "{what}: {differ} logits differ between the host and tensor passes"
                 );
             }
         }

@@ -86,21 +86,33 @@ pub fn qgemm(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32]) {
 /// `qgemm` of several matrices of the same input (q|k|v, gate|up): the activations laid out
 /// once, every matrix's A tiles in one parallel region. Callers check `usable` on each.
 pub fn qgemm_shared(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
+    vnni::shared_outputs(ws, m, |outs| qgemm_shared_into(ws, x, m, outs))
+}
+
+/// `qgemm_shared` into the caller's outputs (`m x rows` each), every element written.
+pub fn qgemm_shared_into(
+    ws: &[&QMatrix],
+    x: &[f32],
+    m: usize,
+    outs: &mut [&mut [MaybeUninit<f32>]],
+) {
     assert!(
         ws.iter().all(|w| usable(w)),
         "amx::qgemm_shared without AMX"
     );
-    vnni::shared_outputs(ws, m, |_outs| {
-        // `usable` (asserted above) is never true off x86-64, and `shared_outputs` must not
-        // see its outputs unwritten
-        #[cfg(not(target_arch = "x86_64"))]
-        unreachable!("amx::qgemm_shared off x86-64 ({} values)", x.len());
-        #[cfg(target_arch = "x86_64")]
-        run(ws, x, m, _outs, |ctx, p0, p1| {
-            // SAFETY: as in `qgemm`.
-            unsafe { hw::task(ctx, p0, p1) }
-        });
-    })
+    // `usable` (asserted above) is never true off x86-64, and the caller must not see its
+    // outputs unwritten
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!(
+        "amx::qgemm_shared off x86-64 ({} values, {} outputs)",
+        x.len(),
+        outs.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    run(ws, x, m, outs, |ctx, p0, p1| {
+        // SAFETY: as in `qgemm`.
+        unsafe { hw::task(ctx, p0, p1) }
+    });
 }
 
 /// Whether this CPU has AMX-TILE and AMX-INT8, the OS enables their state, and Linux grants it

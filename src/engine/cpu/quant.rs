@@ -720,6 +720,46 @@ pub fn qmatmul_shared(
     }
 }
 
+/// `qmatmul_shared` of a prompt (`m` >= 2 rows) into the caller's buffers (`m x rows` each,
+/// every element written): the host prompt pass's (`Qwen3::forward_host`) GEMMs, no outputs
+/// allocated. `false`, nothing written, where `qmatmul_shared` would return `None`.
+pub fn qmatmul_shared_into(
+    ws: &[&QMatrix],
+    x: &[f32],
+    m: usize,
+    kernel: Numerics,
+    ys: &mut [&mut [f32]],
+) -> bool {
+    let Some(k) = ws.first().map(|w| w.cols) else {
+        return false;
+    };
+    let shapes_ok = ws.len() == ys.len()
+        && x.len() == m * k
+        && ws
+            .iter()
+            .zip(ys.iter())
+            .all(|(w, y)| w.cols == k && y.len() == m * w.rows);
+    if m < 2 || !shapes_ok || kernel != Numerics::Fast || m < gemm_from(ws) {
+        return false;
+    }
+    use crate::engine::cpu::{amx, i8mm, vnni};
+    // SAFETY (as_uninit): the kernels store only computed f32 sums.
+    let mut outs: Vec<_> = ys
+        .iter_mut()
+        .map(|y| unsafe { vnni::as_uninit(y) })
+        .collect();
+    if ws.iter().all(|w| amx::usable(w)) {
+        amx::qgemm_shared_into(ws, x, m, &mut outs);
+    } else if ws.iter().all(|w| vnni::usable(w)) {
+        vnni::qgemm_shared_into(ws, x, m, &mut outs);
+    } else if ws.iter().all(|w| i8mm::usable(w)) {
+        i8mm::qgemm_shared_into(ws, x, m, &mut outs);
+    } else {
+        return false;
+    }
+    true
+}
+
 /// `qmatmul` of one decode row against several matrices of the same input (q|k|v, gate|up):
 /// the activations are quantized once and every matrix's rows run in one parallel region, one
 /// hand-off to the workers instead of one a matrix. Same arithmetic as `qmatmul` on each.

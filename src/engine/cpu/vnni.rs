@@ -108,18 +108,30 @@ pub fn qgemm(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32]) {
 /// `qgemm` of several matrices of the same input (q|k|v, gate|up): the activations laid out
 /// once, every matrix's row tiles in one parallel region. Callers check `usable` on each.
 pub fn qgemm_shared(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
+    shared_outputs(ws, m, |outs| qgemm_shared_into(ws, x, m, outs))
+}
+
+/// `qgemm_shared` into the caller's outputs (`m x rows` each), every element written.
+pub fn qgemm_shared_into(
+    ws: &[&QMatrix],
+    x: &[f32],
+    m: usize,
+    outs: &mut [&mut [MaybeUninit<f32>]],
+) {
     assert!(
         ws.iter().all(|w| usable(w)),
         "vnni::qgemm_shared without AVX2"
     );
-    shared_outputs(ws, m, |_outs| {
-        // `usable` (asserted above) is never true off x86-64, and `shared_outputs` must not
-        // see its outputs unwritten
-        #[cfg(not(target_arch = "x86_64"))]
-        unreachable!("vnni::qgemm_shared off x86-64 ({} values)", x.len());
-        #[cfg(target_arch = "x86_64")]
-        run(ws, x, m, _outs);
-    })
+    // `usable` (asserted above) is never true off x86-64, and the caller must not see its
+    // outputs unwritten
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!(
+        "vnni::qgemm_shared off x86-64 ({} values, {} outputs)",
+        x.len(),
+        outs.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    run(ws, x, m, outs);
 }
 
 /// The outputs of a shared-input call (`m x rows` each), filled by `run(outs)`, which must
