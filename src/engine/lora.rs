@@ -78,10 +78,11 @@ impl LoraBranch {
         if x.len() / inp <= HOST_MAX_ROWS {
             add_host(a, bb, scale, x, inp, y);
         } else {
-            use rayon::prelude::*;
-            x.par_chunks_exact(inp)
-                .zip(y.par_chunks_exact_mut(out.max(1)))
-                .for_each(|(xi, yi)| add_host(a, bb, scale, xi, inp, yi));
+            let mut rows: Vec<_> = x.chunks_exact(inp).zip(y.chunks_exact_mut(out)).collect();
+            // on the team a host pass leads (`cpu::team`), else rayon's pool
+            crate::engine::cpu::team::for_each_mut(&mut rows, |(xi, yi)| {
+                add_host(a, bb, scale, xi, inp, yi)
+            });
         }
         true
     }

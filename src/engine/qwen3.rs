@@ -923,25 +923,24 @@ impl Qwen3 {
         all_logits: bool,
         keep_hidden: bool,
     ) -> Result<ForwardOutput> {
-        self.on_workers(ids.len() == 1, |m| {
-            m.forward_on_workers(ids, all_logits, keep_hidden)
-        })
+        let team = ids.len() == 1 || (!all_logits && !keep_hidden && self.prompt_on_team());
+        self.on_workers(team, |m| m.forward_on_workers(ids, all_logits, keep_hidden))
     }
 
     /// `f(self)`, on the CPU from a worker of rayon's pool. Every CPU matmul hands its rows
     /// to the worker pool. Called from outside it, each of a step's ~200 hand-offs would put
     /// this thread to sleep and wake it again (a futex round trip each); run from a worker,
-    /// the whole pass costs one. A decode step's regions (`decode`) are too short for rayon's
-    /// wake-ups: its workers spin for this one pass instead (`team`). A prompt's GEMMs keep
-    /// rayon's pool.
-    fn on_workers<R: Send>(&mut self, decode: bool, f: impl FnOnce(&mut Qwen3) -> R + Send) -> R {
+    /// the whole pass costs one. A decode step's regions, and a host prompt pass's (`team`
+    /// set), are too short for rayon's wake-ups: the workers spin for this one pass instead
+    /// (`cpu::team`). Other prompts keep rayon's pool.
+    fn on_workers<R: Send>(&mut self, team: bool, f: impl FnOnce(&mut Qwen3) -> R + Send) -> R {
         if !self.device.is_cpu() || rayon::current_thread_index().is_some() {
             return f(self);
         }
         let model = OnWorker(self);
         rayon::scope(move |_| {
             let model = model;
-            if decode {
+            if team {
                 // the wrapper moves whole into the closure (`let`): capturing `model.0`
                 // alone would send a bare `&mut Qwen3`, which is not `Send` with `cuda`
                 crate::engine::cpu::team::Team::lead(move || {
@@ -952,6 +951,17 @@ impl Qwen3 {
                 f(model.0)
             }
         })
+    }
+
+    /// Whether a prompt's host pass (`prompt_host`) runs on a spinning team (`cpu::team`) as a
+    /// decode step does: every parallel region of it is the team's (the shared GEMMs, their
+    /// fallbacks' `qmatmul`, norms, attention, `silu · up`, LoRA's rows), so it is whenever
+    /// the pass is the host's and every matrix is ours (candle's matmuls, for dense or
+    /// repacked weights, would run on the leading thread alone under a team). On the Xeon's
+    /// 16 threads each of a 64-token 0.6B prompt's ~300 regions cost rayon a wake-up chain
+    /// (twenty-ninth session).
+    fn prompt_on_team(&self) -> bool {
+        self.host_step_ok() && self.matrices().all(|w| matches!(w, Weight::Quant(_)))
     }
 
     /// Whether a CPU pass runs on host vectors (`decode_host`, `prompt_host`): the CPU device, with

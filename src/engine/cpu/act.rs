@@ -8,8 +8,6 @@
 //! overflows: `1 / (1 + e)` for `x ≥ 0`, `e / (1 + e)` below. The AVX2 path runs the same
 //! operations in the same order, so both give the same bits (tested).
 
-use rayon::prelude::*;
-
 use crate::engine::cpu::host_f32;
 use crate::engine::sample::exp_neg;
 
@@ -22,9 +20,12 @@ pub fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
     if g.len() <= CHUNK {
         return silu_mul_serial(g, u, out);
     }
-    out.par_chunks_mut(CHUNK)
-        .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
-        .for_each(|(o, (g, u))| silu_mul_serial(g, u, o));
+    let mut parts: Vec<_> = out
+        .chunks_mut(CHUNK)
+        .zip(g.chunks(CHUNK).zip(u.chunks(CHUNK)))
+        .collect();
+    // on the team a host pass leads (`cpu::team`), else rayon's pool
+    crate::engine::cpu::team::for_each_mut(&mut parts, |(o, (g, u))| silu_mul_serial(g, u, o));
 }
 
 fn silu_mul_serial(g: &[f32], u: &[f32], out: &mut [f32]) {

@@ -39,10 +39,9 @@ use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::OnceLock;
 
-use rayon::prelude::*;
-
 use crate::engine::cpu::isa::{self, Isa};
 use crate::engine::cpu::quant::bf16_at;
+use crate::engine::cpu::team;
 use crate::engine::cpu::tile16;
 use crate::engine::quant::QMatrix;
 
@@ -162,23 +161,25 @@ fn prepare(x: &[f32], m: usize, k: usize) -> Acts {
     // tasks of `g` blocks of one token tile (`vnni::prepare_blocks`: a tile a task left all
     // but 4 of the Xeon's 16 threads idle in a 64-token prompt)
     let g = vnni::prepare_blocks(kbs, mt, TT.min(m));
-    a.hi.par_chunks_mut(g * TILE)
-        .zip(a.lo.par_chunks_mut(g * TILE))
-        .zip(a.d.par_chunks_mut(g * TT).zip(a.sx.par_chunks_mut(g * TT)))
+    let mut parts: Vec<_> = (a.hi.chunks_mut(g * TILE))
+        .zip(a.lo.chunks_mut(g * TILE))
+        .zip(a.d.chunks_mut(g * TT).zip(a.sx.chunks_mut(g * TT)))
         .enumerate()
-        .for_each(|(c, ((hi, lo), (d, sx)))| {
-            let (j, kb0) = (c / (kbs / g), c % (kbs / g) * g);
-            let (kbr, o) = (kb0..kb0 + g, TileActs { hi, lo, d, sx });
-            #[cfg(target_arch = "x86_64")]
-            if isa::active().avx512() {
-                // SAFETY: the process's instruction set includes AVX-512 F/BW/VL.
-                return unsafe { prepare_tile_avx512(x, m, k, j, kbr, o) };
-            } else if isa::active().avx2() {
-                // SAFETY: the process's instruction set includes AVX2 and FMA.
-                return unsafe { prepare_tile_avx2(x, m, k, j, kbr, o) };
-            }
-            prepare_tile(x, m, k, j, kbr, o)
-        });
+        .collect();
+    // on the team a host pass leads (`cpu::team`), else rayon's pool
+    team::for_each_mut(&mut parts, |(c, ((hi, lo), (d, sx)))| {
+        let (j, kb0) = (*c / (kbs / g), *c % (kbs / g) * g);
+        let (kbr, o) = (kb0..kb0 + g, TileActs { hi, lo, d, sx });
+        #[cfg(target_arch = "x86_64")]
+        if isa::active().avx512() {
+            // SAFETY: the process's instruction set includes AVX-512 F/BW/VL.
+            return unsafe { prepare_tile_avx512(x, m, k, j, kbr, o) };
+        } else if isa::active().avx2() {
+            // SAFETY: the process's instruction set includes AVX2 and FMA.
+            return unsafe { prepare_tile_avx2(x, m, k, j, kbr, o) };
+        }
+        prepare_tile(x, m, k, j, kbr, o)
+    });
     a
 }
 
@@ -463,10 +464,8 @@ fn run(
         .div_ceil(rayon::current_num_threads().max(1) * 8)
         .max(2)
         .min(cap);
-    let tasks = vnni::tile_runs(ws, NT, per_task);
-    tasks
-        .into_par_iter()
-        .for_each(|(i, t0, t1)| task(&ctxs[i], t0, t1));
+    let mut tasks = vnni::tile_runs(ws, NT, per_task);
+    team::for_each_mut(&mut tasks, |&mut (i, t0, t1)| task(&ctxs[i], t0, t1));
 }
 
 /// A tiles `i0..i1` of the output through `tiles`: per block, every tile's rows are unpacked

@@ -10,8 +10,6 @@
 //! ports), 8x32 on AVX-512 (16 zmm accumulators, twice the products an instruction). Results go straight
 //! to `y (m x rows)`: no transposed copy, no serial step after the parallel part.
 
-use rayon::prelude::*;
-
 use crate::engine::quant::QMatrix;
 
 /// The AVX2 tile: weight rows (broadcast operand) x activation rows (two 8-lane vectors).
@@ -59,54 +57,54 @@ fn qgemm_tiled<const MR: usize, const NR: usize>(
     // enough tasks to balance, few enough that each reuses the k block over many panels
     let per_task = panels.div_ceil(threads * 4).max(1);
     let out = SyncPtr(y.as_mut_ptr());
-    (0..panels.div_ceil(per_task))
-        .into_par_iter()
-        .for_each(|t| {
-            let (p0, p1) = (t * per_task, ((t + 1) * per_task).min(panels));
-            let ws = kc + 16; // stride off a multiple of 4 KiB: the six row streams share no L1 set
-            let mut wp = vec![0f32; MR * ws];
-            let mut sb = Vec::with_capacity(kc / gs);
-            // (panel, activation panel, MR x NR) accumulators of this task
-            let mut acc = vec![0f32; (p1 - p0) * mp * MR * NR];
-            for k0 in (0..k).step_by(kc) {
-                let kl = kc.min(k - k0);
-                for p in p0..p1 {
-                    let n0 = p * MR;
-                    prefetch_codes(w, n0 + MR..(n0 + 2 * MR).min(rows), k0, kl);
-                    for r in 0..MR {
-                        let dst = &mut wp[r * ws..r * ws + kl];
-                        if n0 + r < rows {
-                            dequant(w, n0 + r, k0, dst, &mut sb);
-                        } else {
-                            dst.fill(0.0);
-                        }
-                    }
-                    for j in 0..mp {
-                        let c = &mut acc[((p - p0) * mp + j) * MR * NR..][..MR * NR];
-                        let xs = &xp[j * k * NR + k0 * NR..][..kl * NR];
-                        // SAFETY: `available()` holds (checked by the caller) and `kernel` is
-                        // the tile of this instruction set; `wp` holds MR rows of stride
-                        // ws ≥ kl, `xs` kl * NR values, `c` MR * NR.
-                        unsafe { kernel(&wp, ws, xs, kl, c) };
-                    }
-                }
-            }
+    let mut tasks: Vec<usize> = (0..panels.div_ceil(per_task)).collect();
+    // on the team a host pass leads (`cpu::team`), else rayon's pool
+    crate::engine::cpu::team::for_each_mut(&mut tasks, |&mut t| {
+        let (p0, p1) = (t * per_task, ((t + 1) * per_task).min(panels));
+        let ws = kc + 16; // stride off a multiple of 4 KiB: the six row streams share no L1 set
+        let mut wp = vec![0f32; MR * ws];
+        let mut sb = Vec::with_capacity(kc / gs);
+        // (panel, activation panel, MR x NR) accumulators of this task
+        let mut acc = vec![0f32; (p1 - p0) * mp * MR * NR];
+        for k0 in (0..k).step_by(kc) {
+            let kl = kc.min(k - k0);
             for p in p0..p1 {
-                let (n0, nr) = (p * MR, MR.min(rows - p * MR));
+                let n0 = p * MR;
+                prefetch_codes(w, n0 + MR..(n0 + 2 * MR).min(rows), k0, kl);
+                for r in 0..MR {
+                    let dst = &mut wp[r * ws..r * ws + kl];
+                    if n0 + r < rows {
+                        dequant(w, n0 + r, k0, dst, &mut sb);
+                    } else {
+                        dst.fill(0.0);
+                    }
+                }
                 for j in 0..mp {
-                    let c = &acc[((p - p0) * mp + j) * MR * NR..][..MR * NR];
-                    for ii in 0..NR.min(m - j * NR) {
-                        let dst = out.at((j * NR + ii) * rows + n0);
-                        for r in 0..nr {
-                            // SAFETY: row j * NR + ii < m and column n0 + r < rows, so the
-                            // element is inside y (m x rows); each task writes only the
-                            // columns of its own panels.
-                            unsafe { *dst.add(r) = c[r * NR + ii] };
-                        }
+                    let c = &mut acc[((p - p0) * mp + j) * MR * NR..][..MR * NR];
+                    let xs = &xp[j * k * NR + k0 * NR..][..kl * NR];
+                    // SAFETY: `available()` holds (checked by the caller) and `kernel` is
+                    // the tile of this instruction set; `wp` holds MR rows of stride
+                    // ws ≥ kl, `xs` kl * NR values, `c` MR * NR.
+                    unsafe { kernel(&wp, ws, xs, kl, c) };
+                }
+            }
+        }
+        for p in p0..p1 {
+            let (n0, nr) = (p * MR, MR.min(rows - p * MR));
+            for j in 0..mp {
+                let c = &acc[((p - p0) * mp + j) * MR * NR..][..MR * NR];
+                for ii in 0..NR.min(m - j * NR) {
+                    let dst = out.at((j * NR + ii) * rows + n0);
+                    for r in 0..nr {
+                        // SAFETY: row j * NR + ii < m and column n0 + r < rows, so the
+                        // element is inside y (m x rows); each task writes only the
+                        // columns of its own panels.
+                        unsafe { *dst.add(r) = c[r * NR + ii] };
                     }
                 }
             }
-        });
+        }
+    });
 }
 
 /// A pointer that tasks writing disjoint elements may share.

@@ -29,7 +29,7 @@
 
 use std::mem::MaybeUninit;
 
-use rayon::prelude::*;
+use crate::engine::cpu::team;
 
 use crate::engine::cpu::isa::{self, Isa};
 use crate::engine::cpu::vnni::{self, SyncPtr, KB};
@@ -114,28 +114,31 @@ fn prepare(x: &[f32], m: usize, k: usize) -> Acts {
         sx: vec![[0.0; 4]; pairs * kbs],
         kbs,
     };
-    a.q.par_chunks_mut(kbs * CHUNKS * 2)
-        .zip(a.d.par_chunks_mut(kbs).zip(a.sx.par_chunks_mut(kbs)))
+    let mut parts: Vec<_> = (a.q.chunks_mut(kbs * CHUNKS * 2))
+        .zip(a.d.chunks_mut(kbs).zip(a.sx.chunks_mut(kbs)))
         .enumerate()
-        .for_each(|(p, (q, (d, sx)))| {
-            let mut v = [0i32; KB];
-            for t in 0..2.min(m - 2 * p) {
-                let row = &x[(2 * p + t) * k..][..k];
-                for (kb, blk) in row.chunks_exact(KB).enumerate() {
-                    let (dt, st) = vnni::quantize(blk, &mut v);
-                    d[kb][2 * t..2 * t + 2].fill(dt);
-                    sx[kb][2 * t..2 * t + 2].fill(st);
-                    for c in 0..CHUNKS {
-                        let at = (kb * CHUNKS + c) * 2;
-                        for j in 0..8 {
-                            let xq = v[value_of(c, j)];
-                            q[at][8 * t + j] = (xq & 127) as i8;
-                            q[at + 1][8 * t + j] = (xq >> 7) as i8;
-                        }
+        .collect();
+    // on the team a host pass leads (`cpu::team`), else rayon's pool
+    team::for_each_mut(&mut parts, |(p, (q, (d, sx)))| {
+        let p = *p;
+        let mut v = [0i32; KB];
+        for t in 0..2.min(m - 2 * p) {
+            let row = &x[(2 * p + t) * k..][..k];
+            for (kb, blk) in row.chunks_exact(KB).enumerate() {
+                let (dt, st) = vnni::quantize(blk, &mut v);
+                d[kb][2 * t..2 * t + 2].fill(dt);
+                sx[kb][2 * t..2 * t + 2].fill(st);
+                for c in 0..CHUNKS {
+                    let at = (kb * CHUNKS + c) * 2;
+                    for j in 0..8 {
+                        let xq = v[value_of(c, j)];
+                        q[at][8 * t + j] = (xq & 127) as i8;
+                        q[at + 1][8 * t + j] = (xq >> 7) as i8;
                     }
                 }
             }
-        });
+        }
+    });
     a
 }
 
@@ -221,27 +224,27 @@ fn run(ws: &[&QMatrix], x: &[f32], m: usize, ys: &mut [&mut [MaybeUninit<f32>]],
     let per_task = tiles
         .div_ceil(rayon::current_num_threads().max(1) * 8)
         .clamp(1, cap);
-    vnni::tile_runs(ws, R, per_task)
-        .into_par_iter()
-        .for_each(|(i, t0, t1)| {
-            let panels: Vec<Panel> = (t0..t1).map(|t| Panel::new(ws[i], t * R, mm)).collect();
-            let pairs = m.div_ceil(2);
-            for tb in (0..pairs).step_by(TOKEN_PAIRS) {
-                for (t, panel) in (t0..t1).zip(&panels) {
-                    for tp in (tb..pairs.min(tb + TOKEN_PAIRS)).step_by(T / 2) {
-                        let y = match mm {
-                            // SAFETY: `Hw` is chosen by `qgemm` through `usable`: the CPU has
-                            // NEON and i8mm; `panel` and `acts` hold whole blocks of this
-                            // call's width.
-                            Mm::Hw => unsafe { hw::tile(panel, &acts, tp) },
-                            #[cfg(test)]
-                            Mm::Soft => soft_tile(panel, &acts, tp),
-                        };
-                        store(&y, m, ws[i].rows, t * R, tp, &outs[i]);
-                    }
+    let mut tasks = vnni::tile_runs(ws, R, per_task);
+    // on the team a host pass leads (`cpu::team`), else rayon's pool
+    team::for_each_mut(&mut tasks, |&mut (i, t0, t1)| {
+        let panels: Vec<Panel> = (t0..t1).map(|t| Panel::new(ws[i], t * R, mm)).collect();
+        let pairs = m.div_ceil(2);
+        for tb in (0..pairs).step_by(TOKEN_PAIRS) {
+            for (t, panel) in (t0..t1).zip(&panels) {
+                for tp in (tb..pairs.min(tb + TOKEN_PAIRS)).step_by(T / 2) {
+                    let y = match mm {
+                        // SAFETY: `Hw` is chosen by `qgemm` through `usable`: the CPU has
+                        // NEON and i8mm; `panel` and `acts` hold whole blocks of this
+                        // call's width.
+                        Mm::Hw => unsafe { hw::tile(panel, &acts, tp) },
+                        #[cfg(test)]
+                        Mm::Soft => soft_tile(panel, &acts, tp),
+                    };
+                    store(&y, m, ws[i].rows, t * R, tp, &outs[i]);
                 }
             }
-        });
+        }
+    });
 }
 
 /// A tile's results (`y[token pair][row pair]`, lanes `[t0·r0, t0·r1, t1·r0, t1·r1]`) into

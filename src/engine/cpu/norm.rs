@@ -4,8 +4,6 @@
 //! value: ~7 us a 4096-wide row on the Zen 4 EPYC, two of them a layer, on the leading thread
 //! between two decode regions while the weights do not stream.
 
-use rayon::prelude::*;
-
 use crate::engine::cpu::host_f32;
 use crate::engine::cpu::quant::dot;
 
@@ -26,9 +24,14 @@ pub fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     if x.len() < 2 * ROWS_PER_TASK * n {
         x.chunks_exact(n).zip(out.chunks_exact_mut(n)).for_each(row);
     } else {
-        x.par_chunks(ROWS_PER_TASK * n)
-            .zip(out.par_chunks_mut(ROWS_PER_TASK * n))
-            .for_each(|(x, out)| x.chunks_exact(n).zip(out.chunks_exact_mut(n)).for_each(row));
+        let mut parts: Vec<_> = x
+            .chunks(ROWS_PER_TASK * n)
+            .zip(out.chunks_mut(ROWS_PER_TASK * n))
+            .collect();
+        // on the team a host pass leads (`cpu::team`), else rayon's pool
+        crate::engine::cpu::team::for_each_mut(&mut parts, |(x, out)| {
+            x.chunks_exact(n).zip(out.chunks_exact_mut(n)).for_each(row)
+        });
     }
 }
 

@@ -17,8 +17,6 @@
 //! Threads split the output rows (rayon); each task's rows stay in cache while up to four
 //! activation rows reuse every unpacked 32-byte chunk.
 
-use rayon::prelude::*;
-
 use crate::engine::cpu::isa::{self, Isa};
 use crate::engine::cpu::team;
 use crate::engine::cpu::tile16;
@@ -271,9 +269,8 @@ fn for_rows(w: &QMatrix, m: usize, y: &mut [f32], f: impl Fn(usize, &mut [f32]) 
     }
     let (rows, chunk) = (w.rows, task_rows(w.rows));
     let mut yt = vec![0f32; rows * m];
-    yt.par_chunks_mut(chunk * m)
-        .enumerate()
-        .for_each(|(c, ys)| f(c * chunk, ys));
+    let mut parts: Vec<_> = yt.chunks_mut(chunk * m).enumerate().collect();
+    team::for_each_mut(&mut parts, |(c, ys)| f(*c * chunk, ys));
     for (n, col) in yt.chunks_exact(m).enumerate() {
         for (i, &v) in col.iter().enumerate() {
             y[i * rows + n] = v;

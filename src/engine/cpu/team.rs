@@ -1,14 +1,17 @@
-//! The decode step's workers: for one CPU forward pass of one token, the pool's other threads
-//! stop sleeping and spin, waiting for the next parallel region (llama.cpp's threadpool keeps
-//! its threads hot across a graph the same way). A decode step of the 0.6B shape has ~140
-//! short regions (q|k|v, attention, o, gate|up, down a layer, and the head); through rayon each
-//! costs a worker's wake-up (`examples/handoff.rs`: 7-9 us a region at 2 threads, 21 us at 16,
-//! on the Zen 1 EPYC and the Xeon), through a team ~2 and ~5 us.
+//! A CPU pass's workers: for one forward pass (a decode step, or a prompt's host pass), the
+//! pool's other threads stop sleeping and spin, waiting for the next parallel region
+//! (llama.cpp's threadpool keeps its threads hot across a graph the same way). A decode step
+//! of the 0.6B shape has ~140 short regions (q|k|v, attention, o, gate|up, down a layer, and
+//! the head), a 64-token prompt ~300; through rayon each costs a worker's wake-up
+//! (`examples/handoff.rs`: 7-9 us a region at 2 threads, 21 us at 16, on the Zen 1 EPYC and
+//! the Xeon; a chain of them where a region's tasks split in halves), through a team ~2 and
+//! ~5 us.
 //!
 //! A region's tasks are claimed one index at a time with a compare-and-swap on one word that
 //! holds the region's number, its task count and the next index: a helper that saw an earlier
 //! region can never claim a task of a later one, so it never calls a closure that is gone.
-//! Outside a team (prefill, tests on a pool, nested calls) `for_each_mut` is rayon's.
+//! Outside a team (prompts through tensors, tests on a pool, nested calls) `for_each_mut` is
+//! rayon's.
 //!
 //! A helper with nothing to claim reads ahead (`read_ahead`): the leader names the bytes the
 //! next region starts on (the first rows of its first two tasks), and while the leader runs

@@ -33,10 +33,8 @@
 
 use std::mem::MaybeUninit;
 
-#[cfg(target_arch = "x86_64")]
-use rayon::prelude::*;
-
 use crate::engine::cpu::isa::{self, Isa};
+use crate::engine::cpu::team;
 use crate::engine::cpu::tile16;
 use crate::engine::quant::QMatrix;
 
@@ -231,20 +229,22 @@ fn prepare(x: &[f32], m: usize, k: usize, isa: Isa) -> Acts {
     // tasks of `g` blocks of one token vector: a vector a task left all but 4 of 16 threads
     // idle in a 64-token prompt (the Xeon, twenty-ninth session)
     let g = prepare_blocks(kbs, mt, TV.min(m));
-    a.q.par_chunks_mut(g * PAIRS * TV)
-        .zip(a.d.par_chunks_mut(g * TV).zip(a.sx.par_chunks_mut(g * TV)))
+    let mut parts: Vec<_> = (a.q.chunks_mut(g * PAIRS * TV))
+        .zip(a.d.chunks_mut(g * TV).zip(a.sx.chunks_mut(g * TV)))
         .enumerate()
-        .for_each(|(c, (q, (d, sx)))| {
-            let (j, kb0) = (c / (kbs / g), c % (kbs / g) * g);
-            let kbr = kb0..kb0 + g;
-            if isa == Isa::Avx512Vnni {
-                // SAFETY: the CPU has AVX-512 VNNI (`run_on`'s caller checked).
-                unsafe { simd::prepare_vector(x, m, k, j, kbr, q, d, sx) }
-            } else {
-                // SAFETY: the CPU has AVX2 (`run_on`'s caller checked).
-                unsafe { simd256::prepare_vector(x, m, k, j, kbr, q, d, sx) }
-            }
-        });
+        .collect();
+    // on the team a host pass leads (`cpu::team`), else rayon's pool
+    team::for_each_mut(&mut parts, |(c, (q, (d, sx)))| {
+        let (j, kb0) = (*c / (kbs / g), *c % (kbs / g) * g);
+        let kbr = kb0..kb0 + g;
+        if isa == Isa::Avx512Vnni {
+            // SAFETY: the CPU has AVX-512 VNNI (`run_on`'s caller checked).
+            unsafe { simd::prepare_vector(x, m, k, j, kbr, q, d, sx) }
+        } else {
+            // SAFETY: the CPU has AVX2 (`run_on`'s caller checked).
+            unsafe { simd256::prepare_vector(x, m, k, j, kbr, q, d, sx) }
+        }
+    });
     a
 }
 
@@ -315,6 +315,24 @@ impl Panel {
             rs: Vec::new(),
             rb: Vec::new(),
         }
+    }
+
+    /// `f` on this thread's panel for rows `kbs` blocks wide (kept from task to task, as
+    /// rayon's `for_each_init` kept one a split; remade when the width changes).
+    #[cfg(target_arch = "x86_64")]
+    fn with<R>(kbs: usize, f: impl FnOnce(&mut Panel) -> R) -> R {
+        thread_local! {
+            static PANEL: std::cell::RefCell<Option<Panel>> = const { std::cell::RefCell::new(None) };
+        }
+        PANEL.with(|p| {
+            let mut p = p.borrow_mut();
+            let panel = match p.take() {
+                Some(panel) if panel.s.len() == kbs * R => panel,
+                _ => Panel::new(kbs),
+            };
+            let panel = p.insert(panel);
+            f(panel)
+        })
     }
 }
 
@@ -421,10 +439,10 @@ fn run_on(isa: Isa, ws: &[&QMatrix], x: &[f32], m: usize, ys: &mut [&mut [MaybeU
     let per_task = tiles
         .div_ceil(rayon::current_num_threads().max(1) * 16)
         .max(1);
-    let tasks = tile_runs(ws, R, per_task);
-    tasks.into_par_iter().for_each_init(
-        || Panel::new(acts.kbs),
-        |panel, (i, t0, t1)| {
+    let mut tasks = tile_runs(ws, R, per_task);
+    // on the team a host pass leads (`cpu::team`), else rayon's pool; a panel a thread
+    team::for_each_mut(&mut tasks, |&mut (i, t0, t1)| {
+        Panel::with(acts.kbs, |panel| {
             for tile in t0..t1 {
                 let (w, n0, out) = (ws[i], tile * R, &outs[i]);
                 // SAFETY: the CPU has the instruction set (asserted above).
@@ -436,8 +454,8 @@ fn run_on(isa: Isa, ws: &[&QMatrix], x: &[f32], m: usize, ys: &mut [&mut [MaybeU
                     }
                 }
             }
-        },
-    );
+        })
+    });
 }
 
 /// The same GEMM in 256-bit registers, for CPUs without AVX-512: with AVX-VNNI's VEX-encoded

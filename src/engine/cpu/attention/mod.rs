@@ -8,7 +8,6 @@
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use rayon::prelude::*;
 
 use crate::engine::cpu::quant::dot;
 use crate::engine::cpu::team;
@@ -299,9 +298,8 @@ fn norm_rope_rows(
     // a prompt's tokens split over threads (serially, 10 ms of a 64-token 0.6B prefill)
     let l = x.len() / (heads * hd);
     if l >= 8 {
-        x.par_chunks_mut(heads * hd)
-            .enumerate()
-            .for_each(|(t, x)| token(t, x));
+        let mut parts: Vec<_> = x.chunks_mut(heads * hd).enumerate().collect();
+        team::for_each_mut(&mut parts, |(t, x)| token(*t, x));
     } else {
         for (t, x) in x.chunks_exact_mut(heads * hd).enumerate() {
             token(t, x);
