@@ -103,7 +103,7 @@ pub fn qgemm_shared_into(
     // outputs unwritten
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!(
-        "amx::qgemm_shared off x86-64 ({} values, {} outputs)",
+        "amx::qgemm_shared off x86-64 ({} values, {m} rows, {} outputs)",
         x.len(),
         outs.len()
     );

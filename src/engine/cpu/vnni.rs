@@ -34,6 +34,7 @@
 use std::mem::MaybeUninit;
 
 use crate::engine::cpu::isa::{self, Isa};
+#[cfg(target_arch = "x86_64")]
 use crate::engine::cpu::team;
 use crate::engine::cpu::tile16;
 use crate::engine::quant::QMatrix;
@@ -124,7 +125,7 @@ pub fn qgemm_shared_into(
     // outputs unwritten
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!(
-        "vnni::qgemm_shared off x86-64 ({} values, {} outputs)",
+        "vnni::qgemm_shared off x86-64 ({} values, {m} rows, {} outputs)",
         x.len(),
         outs.len()
     );
