@@ -956,12 +956,17 @@ impl Qwen3 {
     /// Whether a prompt's host pass (`prompt_host`) runs on a spinning team (`cpu::team`) as a
     /// decode step does: every parallel region of it is the team's (the shared GEMMs, their
     /// fallbacks' `qmatmul`, norms, attention, `silu · up`, LoRA's rows), so it is whenever
-    /// the pass is the host's and every matrix is ours (candle's matmuls, for dense or
-    /// repacked weights, would run on the leading thread alone under a team). On the Xeon's
+    /// the pass is the host's, every matrix is ours and every LoRA branch has its host copies
+    /// (candle's matmuls, for dense or repacked weights or a branch without them, would run
+    /// on the leading thread alone under a team). On the Xeon's
     /// 16 threads each of a 64-token 0.6B prompt's ~300 regions cost rayon a wake-up chain
     /// (twenty-ninth session).
     fn prompt_on_team(&self) -> bool {
-        self.host_step_ok() && self.matrices().all(|w| matches!(w, Weight::Quant(_)))
+        // a LoRA branch without host copies would add through candle's matmul
+        let lora_host = |l: &Linear| l.lora.as_ref().is_none_or(|b| b.host_parts().is_some());
+        self.host_step_ok()
+            && self.matrices().all(|w| matches!(w, Weight::Quant(_)))
+            && self.layer_linears().flatten().all(lora_host)
     }
 
     /// Whether a CPU pass runs on host vectors (`decode_host`, `prompt_host`): the CPU device, with

@@ -1088,16 +1088,23 @@ mod tests {
     }
 
     /// The activations' layout is the same whatever the pass's tasks: pools of 1, 3 and 16
-    /// threads (a token tile's every block a task down to two blocks), token tails included.
+    /// threads (a token tile's every block a task down to two blocks) and teams of 3 and 16
+    /// (`cpu::team`, as a host prompt pass runs it), token tails included; and the GEMM
+    /// (emulated tiles) gives one thread's bits on a team.
     #[test]
     fn prepare_is_the_same_on_any_pool() {
         use rand::{Rng, SeedableRng};
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         for (m, k) in [(64, 1024), (21, 320), (2, 3072)] {
             let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-3.0f32..3.0)).collect();
-            let on = |threads: usize| {
+            // on the pool's workers, or on a team they form (a host prompt pass's way)
+            let on = |threads: usize, team: bool| {
                 let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
-                let a = pool.expect("a test pool").install(|| prepare(&x, m, k));
+                let pool = pool.expect("a test pool");
+                let a = match team {
+                    true => pool.install(|| team::Team::lead(|| prepare(&x, m, k))),
+                    false => pool.install(|| prepare(&x, m, k)),
+                };
                 let f =
                     a.d.iter()
                         .chain(&a.sx)
@@ -1105,10 +1112,25 @@ mod tests {
                         .collect::<Vec<_>>();
                 (a.hi, a.lo, f)
             };
-            let one = on(1);
-            for threads in [3, 16] {
-                assert!(on(threads) == one, "m {m}, k {k}: {threads} threads");
+            let one = on(1, false);
+            for (threads, team) in [(3, false), (16, false), (3, true), (16, true)] {
+                let what = format!("m {m}, k {k}: {threads} threads, team {team}");
+                assert!(on(threads, team) == one, "{what}");
             }
+            // the GEMM on the emulated tiles too: the same bits on a team as on one thread
+            let (w, x) = test_case(m, 64, m, k, 40);
+            let pool = |n| rayon::ThreadPoolBuilder::new().num_threads(n).build();
+            let one = pool(1)
+                .expect("a test pool")
+                .install(|| soft_gemm(&w, &x, m));
+            let team = pool(5).expect("a test pool");
+            let got = team.install(|| team::Team::lead(|| soft_gemm(&w, &x, m)));
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&got),
+                bits(&one),
+                "m {m}, k {k}: the GEMM on a team of 5"
+            );
         }
     }
 

@@ -1107,8 +1107,9 @@ mod tests {
     }
 
     /// The layout pass is the same whatever its tasks: a pool of 1, 3 and 16 threads (tasks
-    /// of every block of a vector down to one block), on each instruction set the CPU has;
-    /// each task's share divides a vector's blocks.
+    /// of every block of a vector down to one block), and a team of 3 and 16 (`cpu::team`,
+    /// as a host prompt pass runs it), on each instruction set the CPU has; each task's share
+    /// divides a vector's blocks.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn prepare_is_the_same_on_any_pool() {
@@ -1120,12 +1121,16 @@ mod tests {
                     eprintln!("prepare_is_the_same_on_any_pool: {isa:?} not on this CPU");
                     continue;
                 }
-                let on = |threads: usize| {
+                // on the pool's workers, or on a team they form (a host prompt pass's way)
+                let on = |threads: usize, team: bool| {
                     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
                     let pool = pool.expect("a test pool");
                     let g = pool.install(|| prepare_blocks(k / KB, m.div_ceil(TV), TV.min(m)));
                     assert_eq!((k / KB) % g, 0, "{threads} threads: {g} blocks a task");
-                    let a = pool.install(|| prepare(&x, m, k, isa));
+                    let a = match team {
+                        true => pool.install(|| team::Team::lead(|| prepare(&x, m, k, isa))),
+                        false => pool.install(|| prepare(&x, m, k, isa)),
+                    };
                     (
                         a.q,
                         a.d.iter()
@@ -1134,11 +1139,11 @@ mod tests {
                             .collect::<Vec<_>>(),
                     )
                 };
-                let one = on(1);
-                for threads in [3, 16] {
+                let one = on(1, false);
+                for (threads, team) in [(3, false), (16, false), (3, true), (16, true)] {
                     assert!(
-                        on(threads) == one,
-                        "{isa:?}, m {m}, k {k}: {threads} threads"
+                        on(threads, team) == one,
+                        "{isa:?}, m {m}, k {k}: {threads} threads, team {team}"
                     );
                 }
             }
