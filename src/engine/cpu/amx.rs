@@ -83,18 +83,9 @@ pub fn qgemm(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32]) {
 }
 
 /// `qgemm` of several matrices of the same input (q|k|v, gate|up): the activations laid out
-/// once, every matrix's A tiles in one parallel region. Callers check `usable` on each.
-pub fn qgemm_shared(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
-    vnni::shared_outputs(ws, m, |outs| qgemm_shared_into(ws, x, m, outs))
-}
-
-/// `qgemm_shared` into the caller's outputs (`m x rows` each), every element written.
-pub fn qgemm_shared_into(
-    ws: &[&QMatrix],
-    x: &[f32],
-    m: usize,
-    outs: &mut [&mut [MaybeUninit<f32>]],
-) {
+/// once, every matrix's A tiles in one parallel region. Callers check `usable` on each;
+/// every element of `outs` (`m x rows` each) is written (`shared_outputs` gives them).
+pub fn qgemm_shared(ws: &[&QMatrix], x: &[f32], m: usize, outs: &mut [&mut [MaybeUninit<f32>]]) {
     assert!(
         ws.iter().all(|w| usable(w)),
         "amx::qgemm_shared without AMX"
@@ -1014,22 +1005,11 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn prepare_avx512_matches_portable() {
-        use rand::{Rng, SeedableRng};
         if !Isa::Avx512Vnni.supported() {
             eprintln!("prepare_avx512_matches_portable: not run, no AVX-512 on this CPU");
             return;
         }
-        let (m, k) = (21, 320);
-        let mut rng = rand::rngs::StdRng::seed_from_u64(8);
-        let mut x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-3.0f32..3.0)).collect();
-        x[64..128].fill(0.0);
-        x[130] = 1.0e30;
-        x[200] = -1.0e-30;
-        x[k + 5] = -0.0;
-        x[k + 64..k + 128].iter_mut().for_each(|v| *v *= 1.0e-36);
-        // the block's max 2, so 1 is 16383 / 2 = 8191.5 steps: a tie; -1: a negative one
-        x[2 * k..2 * k + KB].iter_mut().for_each(|v| *v /= 3.0);
-        (x[2 * k], x[2 * k + 1], x[2 * k + 2]) = (2.0, 1.0, -1.0);
+        let (m, k, x) = vnni::layout_test_input(8);
         let kbs = k / KB;
         for (j, kbr) in (0..m.div_ceil(TT)).flat_map(|j| [(j, 0..kbs), (j, 1..kbs - 1)]) {
             let n = kbr.len();
@@ -1042,35 +1022,14 @@ mod tests {
                 )
             };
             let (mut want, mut got) = (fresh(), fresh());
-            prepare_tile(
-                &x,
-                m,
-                k,
-                j,
-                kbr.clone(),
-                TileActs {
-                    hi: &mut want.0,
-                    lo: &mut want.1,
-                    d: &mut want.2,
-                    sx: &mut want.3,
-                },
-            );
+            type Bufs = (Vec<u8>, Vec<u8>, Vec<f32>, Vec<f32>);
+            fn acts(a: &mut Bufs) -> TileActs<'_> {
+                let (hi, lo, d, sx) = a;
+                TileActs { hi, lo, d, sx }
+            }
+            prepare_tile(&x, m, k, j, kbr.clone(), acts(&mut want));
             // SAFETY: the CPU has AVX-512.
-            unsafe {
-                prepare_tile_avx512(
-                    &x,
-                    m,
-                    k,
-                    j,
-                    kbr.clone(),
-                    TileActs {
-                        hi: &mut got.0,
-                        lo: &mut got.1,
-                        d: &mut got.2,
-                        sx: &mut got.3,
-                    },
-                )
-            };
+            unsafe { prepare_tile_avx512(&x, m, k, j, kbr.clone(), acts(&mut got)) };
             assert_eq!(got.0, want.0, "token tile {j}, blocks {kbr:?}: hi bytes");
             assert_eq!(got.1, want.1, "token tile {j}, blocks {kbr:?}: lo bytes");
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();

@@ -60,18 +60,9 @@ pub fn qgemm(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32]) {
 }
 
 /// `qgemm` of several matrices of the same input (q|k|v, gate|up): the activations laid out
-/// once, every matrix's row tiles in one parallel region. Callers check `usable` on each.
-pub fn qgemm_shared(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
-    vnni::shared_outputs(ws, m, |outs| qgemm_shared_into(ws, x, m, outs))
-}
-
-/// `qgemm_shared` into the caller's outputs (`m x rows` each), every element written.
-pub fn qgemm_shared_into(
-    ws: &[&QMatrix],
-    x: &[f32],
-    m: usize,
-    outs: &mut [&mut [MaybeUninit<f32>]],
-) {
+/// once, every matrix's row tiles in one parallel region. Callers check `usable` on each;
+/// every element of `outs` (`m x rows` each) is written (`shared_outputs` gives them).
+pub fn qgemm_shared(ws: &[&QMatrix], x: &[f32], m: usize, outs: &mut [&mut [MaybeUninit<f32>]]) {
     assert!(
         ws.iter().all(|w| usable(w)),
         "i8mm::qgemm_shared without FEAT_I8MM"
@@ -501,7 +492,8 @@ mod tests {
                     bits(&tiles),
                     "qmatmul's fast prompt path is this GEMM"
                 );
-                let shared = qgemm_shared(&[&w, &w], &x, m);
+                let ws = [&w, &w];
+                let shared = vnni::shared_outputs(&ws, m, |o| qgemm_shared(&ws, &x, m, o));
                 assert!(
                     shared.iter().all(|y| bits(y) == bits(&tiles)),
                     "shared inputs"

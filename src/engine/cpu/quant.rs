@@ -686,7 +686,7 @@ pub fn qmatmul_vec(w: &QMatrix, x: &[f32], m: usize, kernel: Numerics) -> Vec<f3
 
 /// `qmatmul` of `m` rows against several matrices of the same input (q|k|v, gate|up), where a
 /// shared path exists: a decode row (`qmatvec_shared`), or a `fast` prompt on AMX, AVX-512
-/// VNNI, AVX-VNNI, AVX2 or NEON i8mm (`amx`/`vnni`/`i8mm::qgemm_shared`: the activations laid out once, one
+/// VNNI, AVX-VNNI, AVX2 or NEON i8mm (`shared_gemm`: the activations laid out once, one
 /// parallel region). Same arithmetic as `qmatmul` on each; `None` where the caller should run
 /// them one by one.
 pub fn qmatmul_shared(
@@ -705,13 +705,25 @@ pub fn qmatmul_shared(
     if kernel != Numerics::Fast || m < gemm_from(ws) {
         return None;
     }
+    let gemm = shared_gemm(ws)?;
+    Some(crate::engine::cpu::vnni::shared_outputs(ws, m, |outs| {
+        gemm(ws, x, m, outs)
+    }))
+}
+
+/// A shared-input prompt GEMM: `amx`, `vnni` or `i8mm::qgemm_shared`.
+type SharedGemm = fn(&[&QMatrix], &[f32], usize, &mut [&mut [std::mem::MaybeUninit<f32>]]);
+
+/// The GEMM that takes every one of `ws` for a `fast` prompt here (AMX first, then AVX-512
+/// VNNI, AVX-VNNI or AVX2, then NEON i8mm); `None` where none does.
+fn shared_gemm(ws: &[&QMatrix]) -> Option<SharedGemm> {
     use crate::engine::cpu::{amx, i8mm, vnni};
     if ws.iter().all(|w| amx::usable(w)) {
-        Some(amx::qgemm_shared(ws, x, m))
+        Some(amx::qgemm_shared)
     } else if ws.iter().all(|w| vnni::usable(w)) {
-        Some(vnni::qgemm_shared(ws, x, m))
+        Some(vnni::qgemm_shared)
     } else if ws.iter().all(|w| i8mm::usable(w)) {
-        Some(i8mm::qgemm_shared(ws, x, m))
+        Some(i8mm::qgemm_shared)
     } else {
         None
     }
@@ -736,24 +748,19 @@ pub fn qmatmul_shared_into(
             .iter()
             .zip(ys.iter())
             .all(|(w, y)| w.cols == k && y.len() == m * w.rows);
-    if m < 2 || !shapes_ok || kernel != Numerics::Fast || m < gemm_from(ws) {
+    // `gemm_from` is 2 at least: a decode row never comes here
+    if !shapes_ok || kernel != Numerics::Fast || m < gemm_from(ws) {
         return false;
     }
-    use crate::engine::cpu::{amx, i8mm, vnni};
+    let Some(gemm) = shared_gemm(ws) else {
+        return false;
+    };
     // SAFETY (as_uninit): the kernels store only computed f32 sums.
     let mut outs: Vec<_> = ys
         .iter_mut()
-        .map(|y| unsafe { vnni::as_uninit(y) })
+        .map(|y| unsafe { crate::engine::cpu::vnni::as_uninit(y) })
         .collect();
-    if ws.iter().all(|w| amx::usable(w)) {
-        amx::qgemm_shared_into(ws, x, m, &mut outs);
-    } else if ws.iter().all(|w| vnni::usable(w)) {
-        vnni::qgemm_shared_into(ws, x, m, &mut outs);
-    } else if ws.iter().all(|w| i8mm::usable(w)) {
-        i8mm::qgemm_shared_into(ws, x, m, &mut outs);
-    } else {
-        return false;
-    }
+    gemm(ws, x, m, &mut outs);
     true
 }
 

@@ -105,18 +105,9 @@ pub fn qgemm(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32]) {
 }
 
 /// `qgemm` of several matrices of the same input (q|k|v, gate|up): the activations laid out
-/// once, every matrix's row tiles in one parallel region. Callers check `usable` on each.
-pub fn qgemm_shared(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
-    shared_outputs(ws, m, |outs| qgemm_shared_into(ws, x, m, outs))
-}
-
-/// `qgemm_shared` into the caller's outputs (`m x rows` each), every element written.
-pub fn qgemm_shared_into(
-    ws: &[&QMatrix],
-    x: &[f32],
-    m: usize,
-    outs: &mut [&mut [MaybeUninit<f32>]],
-) {
+/// once, every matrix's row tiles in one parallel region. Callers check `usable` on each;
+/// every element of `outs` (`m x rows` each) is written (`shared_outputs` gives them).
+pub fn qgemm_shared(ws: &[&QMatrix], x: &[f32], m: usize, outs: &mut [&mut [MaybeUninit<f32>]]) {
     assert!(
         ws.iter().all(|w| usable(w)),
         "vnni::qgemm_shared without AVX2"
@@ -1000,6 +991,26 @@ mod simd {
     }
 }
 
+/// 21 tokens of 320 values for the layout passes' tests (here and `amx.rs`): random values
+/// with a zero block, an outlier, a tiny value and a negative zero, a block whose scale is
+/// subnormal (1/d would overflow: codes 0 on every path), and ties in x / d (the block's max
+/// 2, so 1 is 16383 / 2 = 8191.5 steps; and -1).
+#[cfg(test)]
+pub(crate) fn layout_test_input(seed: u64) -> (usize, usize, Vec<f32>) {
+    use rand::{Rng, SeedableRng};
+    let (m, k) = (21, 320);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+    x[64..128].fill(0.0);
+    x[130] = 1.0e30;
+    x[200] = -1.0e-30;
+    x[k + 5] = -0.0;
+    x[k + 64..k + 128].iter_mut().for_each(|v| *v *= 1.0e-36);
+    x[2 * k..2 * k + KB].iter_mut().for_each(|v| *v /= 3.0);
+    (x[2 * k], x[2 * k + 1], x[2 * k + 2]) = (2.0, 1.0, -1.0);
+    (m, k, x)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1064,19 +1075,7 @@ mod tests {
             eprintln!("prepare_avx512_matches_portable: not run, no AVX-512 on this CPU");
             return;
         }
-        let (m, k) = (21, 320);
-        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
-        let mut x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-3.0f32..3.0)).collect();
-        x[64..128].fill(0.0);
-        x[130] = 1.0e30;
-        x[200] = -1.0e-30;
-        x[k + 5] = -0.0;
-        // a block whose scale is subnormal (1/d would overflow): codes 0 on both paths
-        x[k + 64..k + 128].iter_mut().for_each(|v| *v *= 1.0e-36);
-        // x / d lands on a tie: the block's max 2, so 1 is 16383 / 2 = 8191.5 steps
-        x[2 * k..2 * k + KB].iter_mut().for_each(|v| *v /= 3.0);
-        x[2 * k] = 2.0;
-        x[2 * k + 1] = 1.0;
+        let (m, k, x) = layout_test_input(5);
         let kbs = k / KB;
         // every block of a vector, and a run of them from the second on (a task's share)
         for (j, kbr) in (0..m.div_ceil(TV)).flat_map(|j| [(j, 0..kbs), (j, 1..kbs - 1)]) {
