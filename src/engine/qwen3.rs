@@ -149,11 +149,6 @@ impl HostStep {
     }
 }
 
-/// `x += d`, the residual add of a host step.
-fn add_into(x: &mut [f32], d: &[f32]) {
-    x.iter_mut().zip(d).for_each(|(x, d)| *x += d);
-}
-
 pub struct Attention {
     q_proj: Linear,
     k_proj: Linear,
@@ -457,27 +452,27 @@ impl DecoderLayer {
     }
 
     /// `forward` on the host pass's vectors: the residual stream `s.x` is updated in place.
+    /// The MLP's output is left in `s.o`, not yet added: the next layer's first norm adds it
+    /// in the same region (`pending` there), or the final norm does.
     fn forward_host(
         &mut self,
         s: &mut HostStep,
         cos: &[f32],
         sin: &[f32],
         next: Ahead,
+        pending: bool,
     ) -> Result<()> {
-        cpu::norm::rms_norm_rows(&s.x, &self.input_layernorm_host, self.eps, &mut s.h);
+        let (w, eps) = (&self.input_layernorm_host, self.eps);
+        match pending {
+            true => cpu::norm::add_rms_norm_rows(&mut s.x, &s.o, w, eps, &mut s.h),
+            false => cpu::norm::rms_norm_rows(&s.x, w, eps, &mut s.h),
+        }
         team::read_ahead(Linear::lead_in(&[&self.self_attn.o_proj]));
         let gate_up = Linear::lead_in(&[&self.mlp.gate_proj, &self.mlp.up_proj]);
         self.self_attn.forward_host(s, cos, sin, gate_up)?;
-        add_into(&mut s.x, &s.o);
-        cpu::norm::rms_norm_rows(
-            &s.x,
-            &self.post_attention_layernorm_host,
-            self.eps,
-            &mut s.h,
-        );
-        self.mlp.forward_host(s, next)?;
-        add_into(&mut s.x, &s.o);
-        Ok(())
+        let w = &self.post_attention_layernorm_host;
+        cpu::norm::add_rms_norm_rows(&mut s.x, &s.o, w, eps, &mut s.h);
+        self.mlp.forward_host(s, next)
     }
 }
 
@@ -1014,11 +1009,13 @@ impl Qwen3 {
         for i in 0..self.layers.len() {
             let (this, rest) = self.layers.split_at_mut(i + 1);
             let next = rest.first().map_or(head, DecoderLayer::lead_in);
-            this[i].forward_host(s, &cos, &sin, next)?;
+            this[i].forward_host(s, &cos, &sin, next, i > 0)?;
         }
         self.cached.extend_from_slice(ids);
+        // the last layer's MLP output is added to the last row only: the head reads it alone
         let (eps, h) = (self.cfg.rms_norm_eps as f32, self.cfg.hidden_size);
-        cpu::norm::rms_norm_rows(&s.x[(l - 1) * h..], &self.norm_host, eps, &mut s.h[..h]);
+        let (x, o) = (&mut s.x[(l - 1) * h..], &s.o[(l - 1) * h..]);
+        cpu::norm::add_rms_norm_rows(x, o, &self.norm_host, eps, &mut s.h[..h]);
         let HostStep {
             h: hv,
             logits,

@@ -7,32 +7,68 @@
 use crate::engine::cpu::host_f32;
 use crate::engine::cpu::quant::dot;
 
-/// Rows a prompt's norm hands each rayon task (below twice this, one thread does it all).
-const ROWS_PER_TASK: usize = 16;
+/// Values a norm task takes at least (a few rows), so that a region's hand-off stays small
+/// beside its work.
+const MIN_TASK_VALUES: usize = 2048;
+
+/// Rows of width `n` each task of a norm over `m` rows takes: ~4 tasks a thread (on the
+/// Xeon's 16 threads a 64-token prompt's norm was 4 tasks of 16 rows: 12 threads idled),
+/// none smaller than `MIN_TASK_VALUES`. `m` when that is all one task.
+fn rows_per_task(m: usize, n: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    m.div_ceil(4 * threads)
+        .max(MIN_TASK_VALUES.div_ceil(n))
+        .min(m)
+        .max(1)
+}
+
+/// One row: `out = x · (1 / sqrt(mean(x²) + eps)) · w`.
+#[inline]
+fn norm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    // eight partial sums (`dot`), which the compiler keeps in vector registers
+    let r = 1.0 / (dot(x, x) / w.len() as f32 + eps).sqrt();
+    for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
+        *o = v * r * g;
+    }
+}
 
 /// `out[r] = x[r] · (1 / sqrt(mean(x[r]²) + eps)) · w` for each row `r` of width `w.len()`.
 pub fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let n = w.len();
     assert!(n > 0 && x.len() == out.len() && x.len().is_multiple_of(n));
-    let row = |(x, out): (&[f32], &mut [f32])| {
-        // eight partial sums (`dot`), which the compiler keeps in vector registers
-        let r = 1.0 / (dot(x, x) / n as f32 + eps).sqrt();
-        for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
-            *o = v * r * g;
+    let per = rows_per_task(x.len() / n, n) * n;
+    let mut parts: Vec<_> = x.chunks(per).zip(out.chunks_mut(per)).collect();
+    // on the team a host pass leads (`cpu::team`), else rayon's pool; one part runs here
+    crate::engine::cpu::team::for_each_mut(&mut parts, |(x, out)| {
+        x.chunks_exact(n)
+            .zip(out.chunks_exact_mut(n))
+            .for_each(|(x, out)| norm_row(x, w, eps, out))
+    });
+}
+
+/// The residual add and the norm after it in one region: `x[r] += d[r]`, then
+/// `out[r] = rms_norm(x[r]) · w`, for each row `r` (the same bits as `x += d` followed by
+/// `rms_norm_rows`: each row is normed from the sums just stored). A host pass's layers end
+/// and begin with this pair; apart, the add ran on the leading thread alone.
+pub fn add_rms_norm_rows(x: &mut [f32], d: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let n = w.len();
+    assert!(n > 0 && x.len() == out.len() && x.len() == d.len() && x.len().is_multiple_of(n));
+    let per = rows_per_task(x.len() / n, n) * n;
+    let mut parts: Vec<_> = x
+        .chunks_mut(per)
+        .zip(d.chunks(per))
+        .zip(out.chunks_mut(per))
+        .collect();
+    crate::engine::cpu::team::for_each_mut(&mut parts, |((x, d), out)| {
+        for ((x, d), out) in x
+            .chunks_exact_mut(n)
+            .zip(d.chunks_exact(n))
+            .zip(out.chunks_exact_mut(n))
+        {
+            x.iter_mut().zip(d.iter()).for_each(|(x, d)| *x += d);
+            norm_row(x, w, eps, out);
         }
-    };
-    if x.len() < 2 * ROWS_PER_TASK * n {
-        x.chunks_exact(n).zip(out.chunks_exact_mut(n)).for_each(row);
-    } else {
-        let mut parts: Vec<_> = x
-            .chunks(ROWS_PER_TASK * n)
-            .zip(out.chunks_mut(ROWS_PER_TASK * n))
-            .collect();
-        // on the team a host pass leads (`cpu::team`), else rayon's pool
-        crate::engine::cpu::team::for_each_mut(&mut parts, |(x, out)| {
-            x.chunks_exact(n).zip(out.chunks_exact_mut(n)).for_each(row)
-        });
-    }
+    });
 }
 
 /// `rms_norm_rows` as a candle op on CPU f32 tensors: (x, weight) with weight (D) and x (.., D).
@@ -81,7 +117,7 @@ mod tests {
     #[test]
     fn host_rms_norm_matches_candle_and_f64() {
         let d = 1000;
-        for rows in [1, 3, 2 * ROWS_PER_TASK + 1] {
+        for rows in [1, 3, 33, 64] {
             let x: Vec<f32> = (0..rows * d)
                 .map(|i| ((i * 7919 % 2003) as f32 - 1001.0) / 300.0 * (1 + i / d) as f32)
                 .collect();
@@ -118,6 +154,57 @@ mod tests {
                         "row {r} i {i}: {g} vs candle {c}"
                     );
                 }
+            }
+        }
+    }
+
+    /// The fused add and norm: the same bits as the add followed by `rms_norm_rows`, and both
+    /// the same on one thread, on pools of 3 and 16 and on teams of 3 and 16 (a host pass's
+    /// way), for a decode row, a few, and prompts split into many tasks.
+    #[test]
+    fn add_then_norm_is_the_same_fused_and_on_any_pool() {
+        use crate::engine::cpu::team;
+        let d = 1024;
+        let w: Vec<f32> = (0..d).map(|i| 0.5 + (i % 13) as f32 / 10.0).collect();
+        for rows in [1, 2, 5, 64, 77] {
+            let x: Vec<f32> = (0..rows * d)
+                .map(|i| ((i * 7919 % 2003) as f32 - 1001.0) / 300.0)
+                .collect();
+            let o: Vec<f32> = (0..rows * d)
+                .map(|i| ((i * 104729 % 997) as f32 - 498.0) / 1000.0)
+                .collect();
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            let apart = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
+                pool.expect("a test pool").install(|| {
+                    let mut x = x.clone();
+                    x.iter_mut().zip(&o).for_each(|(x, d)| *x += d);
+                    let mut out = vec![0f32; x.len()];
+                    rms_norm_rows(&x, &w, 1e-6, &mut out);
+                    (bits(&x), bits(&out))
+                })
+            };
+            let fused = |threads: usize, lead: bool| {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
+                let body = || {
+                    let mut x = x.clone();
+                    let mut out = vec![0f32; x.len()];
+                    add_rms_norm_rows(&mut x, &o, &w, 1e-6, &mut out);
+                    (bits(&x), bits(&out))
+                };
+                let pool = pool.expect("a test pool");
+                match lead {
+                    true => pool.install(|| team::Team::lead(body)),
+                    false => pool.install(body),
+                }
+            };
+            let one = apart(1);
+            assert!(apart(16) == one, "rows {rows}: the norm on 16 threads");
+            for (threads, lead) in [(1, false), (3, false), (16, false), (3, true), (16, true)] {
+                assert!(
+                    fused(threads, lead) == one,
+                    "rows {rows}: fused on {threads} threads, team {lead}"
+                );
             }
         }
     }
