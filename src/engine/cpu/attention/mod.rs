@@ -172,19 +172,38 @@ impl<E: KvElem> Heads<E> {
             .for_each(|h| h.truncate(len * head_dim));
     }
 
-    /// Appends `k` and `v`, each (L, n_kv * head_dim).
+    /// Appends `k` and `v`, each (L, n_kv * head_dim). A prompt's rows go a task per head
+    /// and kind (on the Xeon's 16 threads the serial stores were ~4% of the leading thread's
+    /// time in a 64-token 0.6B prompt, the other 15 waiting).
     fn append(&mut self, k: &[f32], v: &[f32], n_kv: usize, head_dim: usize) {
         self.k.resize_with(n_kv, Vec::new);
         self.v.resize_with(n_kv, Vec::new);
-        for (src, dst) in [(k, &mut self.k), (v, &mut self.v)] {
-            for row in src.chunks_exact(n_kv * head_dim) {
-                for (g, head) in row.chunks_exact(head_dim).enumerate() {
-                    let at = dst[g].len();
-                    dst[g].resize(at + head_dim, E::default());
-                    E::store(head, &mut dst[g][at..]);
-                }
+        let l = k.len() / (n_kv * head_dim);
+        // head `g`'s rows of `src` after the `dst` it has
+        let one = |src: &[f32], g: usize, dst: &mut Vec<E>| {
+            let at = dst.len();
+            dst.resize(at + l * head_dim, E::default());
+            let rows = src.chunks_exact(n_kv * head_dim);
+            for (row, d) in rows.zip(dst[at..].chunks_exact_mut(head_dim)) {
+                E::store(&row[g * head_dim..][..head_dim], d);
             }
+        };
+        if l < 8 {
+            // a decode step's: no allocation between its regions
+            self.k
+                .iter_mut()
+                .enumerate()
+                .for_each(|(g, d)| one(k, g, d));
+            self.v
+                .iter_mut()
+                .enumerate()
+                .for_each(|(g, d)| one(v, g, d));
+            return;
         }
+        let ks = self.k.iter_mut().enumerate().map(|(g, d)| (k, g, d));
+        let vs = self.v.iter_mut().enumerate().map(|(g, d)| (v, g, d));
+        let mut parts: Vec<_> = ks.chain(vs).collect();
+        team::for_each_mut(&mut parts, |(src, g, d)| one(src, *g, d));
     }
 }
 
