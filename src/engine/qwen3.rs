@@ -104,7 +104,8 @@ fn rope_tables(cfg: &Qwen3Config, offset: usize, len: usize, dev: &Device) -> Re
 struct HostStep {
     /// positions in the pass
     rows: usize,
-    /// (H) the residual stream
+    /// (H) the residual stream; after the last layer only the last row is whole (its MLP
+    /// output is added to that row alone, for the head: `Qwen3::forward_host`)
     x: Vec<f32>,
     /// (H) a norm's output, the input of q|k|v and gate|up
     h: Vec<f32>,
@@ -451,9 +452,9 @@ impl DecoderLayer {
         Ok((h + self.mlp.forward(&m, next)?)?)
     }
 
-    /// `forward` on the host pass's vectors: the residual stream `s.x` is updated in place.
-    /// The MLP's output is left in `s.o`, not yet added: the next layer's first norm adds it
-    /// in the same region (`pending` there), or the final norm does.
+    /// `forward` on the host pass's vectors: the residual stream `s.x` is updated in place,
+    /// but for this layer's MLP output, which is left in `s.o`: the next layer's first norm
+    /// adds it in the same region (`pending` there), or the final norm does.
     fn forward_host(
         &mut self,
         s: &mut HostStep,

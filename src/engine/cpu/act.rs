@@ -19,11 +19,11 @@ const MIN_TASK: usize = 4 * 1024;
 /// `out[i] = silu(g[i]) * u[i]`.
 pub fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
     assert!(g.len() == u.len() && g.len() == out.len());
-    if g.len() <= SERIAL {
+    let threads = rayon::current_num_threads().max(1);
+    if g.len() <= SERIAL || threads == 1 {
         return silu_mul_serial(g, u, out);
     }
     // ~4 tasks a thread: the Xeon's 16 threads had 12 tasks of a 64-token 0.6B prompt's
-    let threads = rayon::current_num_threads().max(1);
     let chunk = g
         .len()
         .div_ceil(4 * threads)

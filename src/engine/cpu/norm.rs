@@ -13,9 +13,13 @@ const MIN_TASK_VALUES: usize = 2048;
 
 /// Rows of width `n` each task of a norm over `m` rows takes: ~4 tasks a thread (on the
 /// Xeon's 16 threads a 64-token prompt's norm was 4 tasks of 16 rows: 12 threads idled),
-/// none smaller than `MIN_TASK_VALUES`. `m` when that is all one task.
+/// none smaller than `MIN_TASK_VALUES`. `m` when that is all one task (one thread, or a
+/// decode step's row).
 fn rows_per_task(m: usize, n: usize) -> usize {
     let threads = rayon::current_num_threads().max(1);
+    if threads == 1 {
+        return m.max(1);
+    }
     m.div_ceil(4 * threads)
         .max(MIN_TASK_VALUES.div_ceil(n))
         .min(m)
@@ -37,13 +41,18 @@ pub fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let n = w.len();
     assert!(n > 0 && x.len() == out.len() && x.len().is_multiple_of(n));
     let per = rows_per_task(x.len() / n, n) * n;
-    let mut parts: Vec<_> = x.chunks(per).zip(out.chunks_mut(per)).collect();
-    // on the team a host pass leads (`cpu::team`), else rayon's pool; one part runs here
-    crate::engine::cpu::team::for_each_mut(&mut parts, |(x, out)| {
+    let rows = |x: &[f32], out: &mut [f32]| {
         x.chunks_exact(n)
             .zip(out.chunks_exact_mut(n))
             .for_each(|(x, out)| norm_row(x, w, eps, out))
-    });
+    };
+    if per >= x.len() {
+        // one task: here, without allocating (a decode step's)
+        return rows(x, out);
+    }
+    let mut parts: Vec<_> = x.chunks(per).zip(out.chunks_mut(per)).collect();
+    // on the team a host pass leads (`cpu::team`), else rayon's pool
+    crate::engine::cpu::team::for_each_mut(&mut parts, |(x, out)| rows(x, out));
 }
 
 /// The residual add and the norm after it in one region: `x[r] += d[r]`, then
@@ -54,21 +63,26 @@ pub fn add_rms_norm_rows(x: &mut [f32], d: &[f32], w: &[f32], eps: f32, out: &mu
     let n = w.len();
     assert!(n > 0 && x.len() == out.len() && x.len() == d.len() && x.len().is_multiple_of(n));
     let per = rows_per_task(x.len() / n, n) * n;
-    let mut parts: Vec<_> = x
-        .chunks_mut(per)
-        .zip(d.chunks(per))
-        .zip(out.chunks_mut(per))
-        .collect();
-    crate::engine::cpu::team::for_each_mut(&mut parts, |((x, d), out)| {
+    let rows = |x: &mut [f32], d: &[f32], out: &mut [f32]| {
         for ((x, d), out) in x
             .chunks_exact_mut(n)
             .zip(d.chunks_exact(n))
             .zip(out.chunks_exact_mut(n))
         {
-            x.iter_mut().zip(d.iter()).for_each(|(x, d)| *x += d);
+            x.iter_mut().zip(d).for_each(|(x, d)| *x += d);
             norm_row(x, w, eps, out);
         }
-    });
+    };
+    if per >= x.len() {
+        // one task: here, without allocating (a decode step's)
+        return rows(x, d, out);
+    }
+    let mut parts: Vec<_> = x
+        .chunks_mut(per)
+        .zip(d.chunks(per))
+        .zip(out.chunks_mut(per))
+        .collect();
+    crate::engine::cpu::team::for_each_mut(&mut parts, |((x, d), out)| rows(x, d, out));
 }
 
 /// `rms_norm_rows` as a candle op on CPU f32 tensors: (x, weight) with weight (D) and x (.., D).

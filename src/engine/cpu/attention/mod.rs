@@ -1056,6 +1056,60 @@ unsafe fn hsum256(a: std::arch::x86_64::__m256) -> f32 {
 mod tests {
     use super::*;
 
+    /// `Heads::append` in steps of 1, 5, 13 and 99 rows (decode steps and prompt chunks, the
+    /// latter a task per head and kind, on a pool and on a team): each head's keys and values
+    /// are its rows in order, each value `E::store`'s, the same as appending a row at a time.
+    #[test]
+    fn append_keeps_each_heads_rows_in_order() {
+        fn check<E: KvElem + PartialEq>(threads: usize, lead: bool) {
+            let (nkv, hd) = (3, 16);
+            let steps = [1, 5, 13, 99, 1];
+            let total: usize = steps.iter().sum();
+            let val = |t: usize, g: usize, i: usize, kind: usize| {
+                ((t * 7 + g * 131 + i * 17 + kind * 1009) % 2001) as f32 / 97.0 - 10.0
+            };
+            let rows = |kind: usize, t0: usize, l: usize| -> Vec<f32> {
+                (t0..t0 + l)
+                    .flat_map(|t| (0..nkv * hd).map(move |j| val(t, j / hd, j % hd, kind)))
+                    .collect()
+            };
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
+            let heads = pool.expect("a test pool").install(|| {
+                let body = || {
+                    let mut h = Heads::<E>::default();
+                    let mut t0 = 0;
+                    for l in steps {
+                        h.append(&rows(0, t0, l), &rows(1, t0, l), nkv, hd);
+                        t0 += l;
+                    }
+                    h
+                };
+                match lead {
+                    true => team::Team::lead(body),
+                    false => body(),
+                }
+            });
+            for (kind, got) in [(0, &heads.k), (1, &heads.v)] {
+                assert_eq!(got.len(), nkv);
+                for (g, got) in got.iter().enumerate() {
+                    let want: Vec<f32> = (0..total)
+                        .flat_map(|t| (0..hd).map(move |i| val(t, g, i, kind)))
+                        .collect();
+                    let mut want_e = vec![E::default(); want.len()];
+                    for (s, d) in want.chunks(hd).zip(want_e.chunks_mut(hd)) {
+                        E::store(s, d);
+                    }
+                    let what = format!("kind {kind} head {g}: {threads} threads, team {lead}");
+                    assert!(*got == want_e, "{what}");
+                }
+            }
+        }
+        for (threads, lead) in [(1, false), (3, false), (4, true)] {
+            check::<f32>(threads, lead);
+            check::<f16>(threads, lead);
+        }
+    }
+
     /// Straightforward attention over a flat (T, Hkv*D) cache: one head at a time, f64.
     #[allow(clippy::too_many_arguments)]
     fn reference(
