@@ -178,7 +178,7 @@ mod tests {
     #[test]
     fn add_then_norm_is_the_same_fused_and_on_any_pool() {
         use crate::engine::cpu::team;
-        let d = 1024;
+        let d: usize = 1024;
         let w: Vec<f32> = (0..d).map(|i| 0.5 + (i % 13) as f32 / 10.0).collect();
         for rows in [1, 2, 5, 64, 77] {
             let x: Vec<f32> = (0..rows * d)
