@@ -291,6 +291,8 @@ pub struct ReplyArgs {
     pub sampling: SamplingArgs,
 }
 
+// parsed once a process: the size of its largest variant does not matter
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum SandboxCommand {
     /// Start the sandbox's own PDS on loopback (installed from the npm registry on first use;

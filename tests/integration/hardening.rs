@@ -488,7 +488,8 @@ fn nan_inf_publishes_garbage() {
         let h: serde_json::Map<String, Value> = serde_json::from_slice(&f[8..8 + hlen]).unwrap();
         h.keys().find(|k| k.ends_with("lora_a")).unwrap().clone()
     };
-    let cases: Vec<(&str, Box<dyn Fn(&Path, &Path)>, &str)> = vec![
+    type Spoil<'a> = Box<dyn Fn(&Path, &Path) + 'a>;
+    let cases: Vec<(&str, Spoil, &str)> = vec![
         (
             "NaN adapter",
             Box::new(|_, a: &Path| {

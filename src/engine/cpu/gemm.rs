@@ -352,7 +352,8 @@ mod tests {
                 let mut rng = rand::rngs::StdRng::seed_from_u64(seed + 100);
                 let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2.0f32..2.0)).collect();
                 let want = w.matmul_reference(&x, m);
-                let mut tiles: Vec<(&str, Box<dyn Fn(&mut [f32])>)> = vec![
+                type Gemm<'a> = Box<dyn Fn(&mut [f32]) + 'a>;
+                let mut tiles: Vec<(&str, Gemm)> = vec![
                     ("active", Box::new(|y: &mut [f32]| qgemm(&w, &x, m, y))),
                     (
                         "avx2 6x16",

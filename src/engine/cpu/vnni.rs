@@ -564,6 +564,8 @@ mod simd256 {
                 let xv: [__m256i; 2] = std::array::from_fn(|h| {
                     _mm256_loadu_si256(xq.add(pp * TV + 8 * h) as *const __m256i)
                 });
+                // `r` indexes the register tile and the weights alike
+                #[allow(clippy::needless_range_loop)]
                 for r in 0..RS {
                     let wv = _mm256_set1_epi32(*wq.add(r * PAIRS + pp));
                     for h in 0..2 {
@@ -796,6 +798,8 @@ mod simd {
             for pp in 0..PAIRS {
                 let xv: [__m512i; T] =
                     std::array::from_fn(|t| _mm512_loadu_si512(xq[t].add(pp * TV) as *const _));
+                // `r` indexes the register tile and the weights alike
+                #[allow(clippy::needless_range_loop)]
                 for r in 0..R {
                     let wv = _mm512_set1_epi32(*wq.add(r * PAIRS + pp));
                     for t in 0..T {
@@ -941,8 +945,8 @@ mod simd {
         let mask = ((1u32 << nr) - 1) as __mmask16;
         for t in 0..T {
             let mut v = [_mm512_setzero_ps(); 16];
-            for r in 0..R {
-                v[r] = f[r][t];
+            for (v, f) in v.iter_mut().zip(f) {
+                *v = f[t];
             }
             let cols = transpose16(v);
             for (i, c) in cols

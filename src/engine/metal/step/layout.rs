@@ -37,6 +37,10 @@ impl Init {
         }
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// The initial contents (`None`: zeros).
     pub fn bytes(&self) -> Option<&[u8]> {
         match self {

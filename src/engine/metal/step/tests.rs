@@ -145,9 +145,8 @@ fn step_matches_cpu(mut cpu: Qwen3, what: &str, n: usize) -> Vec<f32> {
     let err = rel_err(&got, &want);
     assert!(err <= 1e-4, "{what} prompt: relative error {err:.2e}");
     let mut next = Qwen3::argmax(&want[(n - 1) * vocab..]);
-    let mut pos = prompt.len();
     let mut last = Vec::new();
-    for step in 0..3 {
+    for (step, pos) in (0..3).zip(prompt.len()..) {
         shim.write(model.acts.ids, &ids_bytes(&[next]));
         let sample = (step == 2).then_some(SampleCall {
             params: GREEDY,
@@ -186,7 +185,6 @@ fn step_matches_cpu(mut cpu: Qwen3, what: &str, n: usize) -> Vec<f32> {
             );
         }
         next = Qwen3::argmax(&want);
-        pos += 1;
         last = want;
     }
     last
