@@ -11,19 +11,11 @@ use crate::engine::cpu::quant::dot;
 /// beside its work.
 const MIN_TASK_VALUES: usize = 2048;
 
-/// Rows of width `n` each task of a norm over `m` rows takes: ~4 tasks a thread (on the
-/// Xeon's 16 threads a 64-token prompt's norm was 4 tasks of 16 rows: 12 threads idled),
-/// none smaller than `MIN_TASK_VALUES`. `m` when that is all one task (one thread, or a
-/// decode step's row).
+/// Rows of width `n` each task of a norm over `m` rows takes (`team::per_task`: on the Xeon's
+/// 16 threads a 64-token prompt's norm was 4 tasks of 16 rows, 12 threads idle); `m` when
+/// that is all one task (one thread, or a decode step's row).
 fn rows_per_task(m: usize, n: usize) -> usize {
-    let threads = rayon::current_num_threads().max(1);
-    if threads == 1 {
-        return m.max(1);
-    }
-    m.div_ceil(4 * threads)
-        .max(MIN_TASK_VALUES.div_ceil(n))
-        .min(m)
-        .max(1)
+    crate::engine::cpu::team::per_task(m, MIN_TASK_VALUES.div_ceil(n))
 }
 
 /// One row: `out = x · (1 / sqrt(mean(x²) + eps)) · w`.

@@ -31,6 +31,17 @@ use rayon::prelude::*;
 /// Task indices live in 16 bits of the state word; larger regions go to rayon.
 const MAX_TASKS: usize = u16::MAX as usize;
 
+/// Units (rows, values, blocks) a task of a parallel region over `units` takes: ~4 tasks a
+/// thread, so that the region's tail is short, and no fewer than `least`, so that its
+/// hand-offs stay small beside the work; all of them where there is one thread.
+pub fn per_task(units: usize, least: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    if threads == 1 {
+        return units.max(1);
+    }
+    units.div_ceil(4 * threads).max(least).min(units).max(1)
+}
+
 /// Bytes read ahead at most per range of a hint. The gaps are 20-100 us, 0.3-1.5 MB of
 /// streaming on one core; what does not fit the helper's L2 lands in L3 (a victim cache on
 /// AMD), still far closer than DRAM. Measured with per-token alternation in one run (Zen 4

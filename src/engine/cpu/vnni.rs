@@ -244,10 +244,8 @@ fn prepare(x: &[f32], m: usize, k: usize, isa: Isa) -> Acts {
 /// divisor of `kbs`, so that a task stays within one token vector of `vectors`; ~4 tasks a
 /// thread, and no fewer than ~2048 values a task (`tokens` a vector).
 pub(crate) fn prepare_blocks(kbs: usize, vectors: usize, tokens: usize) -> usize {
-    let threads = rayon::current_num_threads().max(1);
-    let want = (vectors * kbs).div_ceil(4 * threads);
     let least = 2048usize.div_ceil(tokens.max(1) * KB);
-    let g = want.max(least).min(kbs).max(1);
+    let g = crate::engine::cpu::team::per_task(vectors * kbs, least).min(kbs);
     (1..=g).rev().find(|g| kbs.is_multiple_of(*g)).unwrap_or(1)
 }
 
