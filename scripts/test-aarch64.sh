@@ -20,4 +20,8 @@ $AARCH64_CARGO test --locked --target aarch64-unknown-linux-gnu --lib -- "$@" \
   --skip resident::tests::a_read_buffer_is_in_huge_pages_where_they_are_on
 if [ "${FIXTURES:-1}" = 1 ]; then
   $AARCH64_CARGO test --locked --target aarch64-unknown-linux-gnu --test integration -- engine_vs_mlx
+  # ... and the default mode's greedy ids with each NEON set below the one detected
+  for isa in neon neon-dotprod; do
+    BOT_CPU_ISA=$isa $AARCH64_CARGO test --locked --target aarch64-unknown-linux-gnu --test integration -- fast_kernel_matches_mlx
+  done
 fi

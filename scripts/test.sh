@@ -44,6 +44,13 @@ cargo test --locked "$@"
 # machine has (BOT_CPU_ISA is per process); the ones it lacks are named, not silently skipped.
 for isa in scalar:fpu avx2:avx2 avx-vnni:avx_vnni avx512-vnni:avx512_vnni amx:amx_int8; do
   if grep -qw "${isa#*:}" /proc/cpuinfo; then
+    # the set is the one bot runs, not only one the CPU lists (AMX without the kernel's
+    # permission would otherwise leave every test below on the set under it, passing)
+    kernels=$(BOT_CPU_ISA=${isa%%:*} cargo run --locked "$@" --quiet -- doctor 2>/dev/null | grep '^cpu kernels' || true)
+    if ! echo "$kernels" | grep -Eq "^cpu kernels +${isa%%:*}( |$)"; then
+      echo "BOT_CPU_ISA=${isa%%:*}: /proc/cpuinfo lists ${isa#*:} but bot doctor says: ${kernels:-nothing}" >&2
+      exit 1
+    fi
     echo "greedy ids on the fixtures with BOT_CPU_ISA=${isa%%:*}" >&2
     BOT_CPU_ISA=${isa%%:*} cargo test --locked "$@" --test integration fast_kernel_matches_mlx -- --quiet >&2
     # ... and the prompt GEMMs as `qmatmul` routes them with that set active
