@@ -39,33 +39,43 @@ kv=$(uname -r | awk -F. '{print $1 * 100 + $2}')
 if [ "$fs" = xfs ] || { [ "$fs" = ext2/ext3 ] && [ "$kv" -ge 616 ]; }; then export REQUIRE_HUGE_FILE_MAPS=1; fi
 # the 256-bit prompt GEMM's AVX2 half runs on every x86-64 machine CI has (vnni.rs)
 [ "$(uname -m)" != x86_64 ] || export REQUIRE_AVX2=1
-cargo test --locked "$@"
-# The default (fast) kernel's greedy ids against mlx_lm on every CPU instruction set this
-# machine has (BOT_CPU_ISA is per process); the ones it lacks are named, not silently skipped.
-for isa in scalar:fpu avx2:avx2 avx-vnni:avx_vnni avx512-vnni:avx512_vnni amx:amx_int8; do
-  if grep -qw "${isa#*:}" /proc/cpuinfo; then
-    # the set is the one bot runs, not only one the CPU lists (AMX without the kernel's
-    # permission would otherwise leave every test below on the set under it, passing)
-    kernels=$(BOT_CPU_ISA=${isa%%:*} cargo run --locked "$@" --quiet -- doctor 2>/dev/null | grep '^cpu kernels' || true)
+# The CPU instruction sets this machine runs: each one /proc/cpuinfo lists, checked with
+# `bot doctor` to be the set bot then runs (AMX listed but not granted by the kernel would
+# otherwise leave every test of it on the set below, passing). A test part for a set named in
+# REQUIRE_CPU_ISAS fails instead of skipping (`isa::tested_here`); the rest are named here.
+isas=()
+for isa in scalar: avx2:avx2 avx-vnni:avx_vnni avx512-vnni:avx512_vnni amx:amx_int8 \
+  neon:asimd neon-dotprod:asimddp neon-i8mm:i8mm; do
+  if [ -z "${isa#*:}" ] || grep -qw "${isa#*:}" /proc/cpuinfo; then
+    kernels=$(BOT_CPU_ISA=${isa%%:*} cargo run --locked --quiet -- doctor 2>/dev/null | grep '^cpu kernels' || true)
     if ! echo "$kernels" | grep -Eq "^cpu kernels +${isa%%:*}( |$)"; then
       echo "BOT_CPU_ISA=${isa%%:*}: /proc/cpuinfo lists ${isa#*:} but bot doctor says: ${kernels:-nothing}" >&2
       exit 1
     fi
-    echo "greedy ids on the fixtures with BOT_CPU_ISA=${isa%%:*}" >&2
-    BOT_CPU_ISA=${isa%%:*} cargo test --locked "$@" --test integration fast_kernel_matches_mlx -- --quiet >&2
-    # ... and the prompt GEMMs as `qmatmul` routes them with that set active (the exact
-    # kernels' too: the f32 GEMM's AVX2 half, or the scalar tiles, on every width and group)
-    BOT_CPU_ISA=${isa%%:*} cargo test --locked "$@" --lib -- --quiet vnni:: amx:: shared_input_prompts exact_matches_reference_on_all_bits_and_groups >&2
-    # ... and, where AVX-512 runs, with the decode copy 16 rows interleaved and without it
-    # (tile16.rs; which one is the default depends on the CPU's maker; with the copy, prompts
-    # of 2-7 tokens take the shared GEMM too, and the host pass adds their LoRA on the host)
-    case ${isa%%:*} in avx512-vnni|amx)
-      for layout in tile16 rows; do
-        BOT_CPU_LAYOUT=$layout BOT_CPU_ISA=${isa%%:*} cargo test --locked "$@" --test integration -- --quiet fast_kernel_matches_mlx host_passes_equal_tensor_passes >&2
-      done ;;
-    esac
+    isas+=("${isa%%:*}")
   else
-    echo "BOT_CPU_ISA=${isa%%:*}: not on this CPU, not run" >&2
+    echo "BOT_CPU_ISA=${isa%%:*}: not on this CPU, its tests not run" >&2
   fi
+done
+echo "CPU instruction sets tested: ${isas[*]}" >&2
+REQUIRE_CPU_ISAS=$(IFS=,; echo "${isas[*]}")
+export REQUIRE_CPU_ISAS
+cargo test --locked "$@"
+# The default (fast) kernel's greedy ids against mlx_lm on every one of those sets
+# (BOT_CPU_ISA is per process).
+for isa in "${isas[@]}"; do
+  echo "greedy ids on the fixtures with BOT_CPU_ISA=$isa" >&2
+  BOT_CPU_ISA=$isa cargo test --locked "$@" --test integration fast_kernel_matches_mlx -- --quiet >&2
+  # ... and the prompt GEMMs as `qmatmul` routes them with that set active (the exact
+  # kernels' too: the f32 GEMM's AVX2 half, or the scalar tiles, on every width and group)
+  BOT_CPU_ISA=$isa cargo test --locked "$@" --lib -- --quiet vnni:: amx:: i8mm:: shared_input_prompts exact_matches_reference_on_all_bits_and_groups >&2
+  # ... and, where AVX-512 runs, with the decode copy 16 rows interleaved and without it
+  # (tile16.rs; which one is the default depends on the CPU's maker; with the copy, prompts
+  # of 2-7 tokens take the shared GEMM too, and the host pass adds their LoRA on the host)
+  case $isa in avx512-vnni|amx)
+    for layout in tile16 rows; do
+      BOT_CPU_LAYOUT=$layout BOT_CPU_ISA=$isa cargo test --locked "$@" --test integration -- --quiet fast_kernel_matches_mlx host_passes_equal_tensor_passes >&2
+    done ;;
+  esac
 done
 

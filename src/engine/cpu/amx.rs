@@ -1005,8 +1005,8 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn prepare_avx512_matches_portable() {
-        if !Isa::Avx512Vnni.supported() {
-            eprintln!("prepare_avx512_matches_portable: not run, no AVX-512 on this CPU");
+        if !crate::engine::cpu::isa::tested_here(Isa::Avx512Vnni, "prepare_avx512_matches_portable")
+        {
             return;
         }
         let (m, k, x) = vnni::layout_test_input(8);
@@ -1100,10 +1100,9 @@ mod tests {
     /// the same bits as the emulated ones, and `qmatmul` takes this path for `fast` prompts.
     #[test]
     fn tiles_match_reference_and_hardware() {
-        let hw = Isa::Amx.supported();
-        if !hw {
-            eprintln!("tiles_match_reference_and_hardware: no AMX here; emulated tiles only");
-        }
+        // emulated tiles everywhere, the hardware's too where AMX runs
+        let hw =
+            crate::engine::cpu::isa::tested_here(Isa::Amx, "tiles_match_reference_and_hardware");
         for (seed, (gs, m, k, rows)) in TEST_SHAPES.into_iter().enumerate() {
             let (w, x) = test_case(seed, gs, m, k, rows);
             let got = soft(&w, &x, m);

@@ -149,9 +149,52 @@ pub fn active() -> Isa {
     *ISA.get_or_init(|| check_env().unwrap_or_else(|_| detect()))
 }
 
+/// Whether a test can run its `isa` part on this CPU; where it cannot, says so on stderr, and
+/// fails instead where `REQUIRE_CPU_ISAS` (comma-separated names; `scripts/test.sh` sets it
+/// to the sets this machine runs) names the set: CI never passes a part it skipped.
+#[cfg(test)]
+pub(crate) fn tested_here(isa: Isa, test: &str) -> bool {
+    let required = std::env::var("REQUIRE_CPU_ISAS").unwrap_or_default();
+    tested_with(isa, test, &required)
+}
+
+#[cfg(test)]
+fn tested_with(isa: Isa, test: &str, required: &str) -> bool {
+    if isa.supported() {
+        return true;
+    }
+    assert!(
+        !required.split(',').any(|n| n.trim() == isa.name()),
+        "{test}: REQUIRE_CPU_ISAS names {} but this process cannot run it",
+        isa.name()
+    );
+    eprintln!("{test}: {} not on this CPU, that part not run", isa.name());
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_required_set_the_cpu_lacks_fails_the_test() {
+        let missing = if cfg!(target_arch = "aarch64") {
+            Isa::Avx2
+        } else {
+            Isa::Neon
+        };
+        let required = format!("scalar, {}", missing.name());
+        let failed = std::panic::catch_unwind(|| tested_with(missing, "t", &required));
+        assert!(
+            failed.is_err(),
+            "a named set the CPU lacks must fail the test"
+        );
+        assert!(tested_with(Isa::Scalar, "t", &required));
+        assert!(
+            !tested_with(missing, "t", "scalar"),
+            "unnamed: skipped, not failed"
+        );
+    }
 
     #[test]
     fn overrides_are_validated() {

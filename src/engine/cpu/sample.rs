@@ -403,8 +403,8 @@ pub(crate) mod avx2 {
         /// The 8-lane exp is the scalar one, bit for bit, over the whole range it takes.
         #[test]
         fn vector_exp_matches_the_scalar_bits() {
-            if !(std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
-                eprintln!("skipped: this CPU has no AVX2+FMA");
+            use crate::engine::cpu::isa::{tested_here, Isa};
+            if !tested_here(Isa::Avx2, "vector_exp_matches_the_scalar_bits") {
                 return;
             }
             let mut xs: Vec<f32> = (0..200_000).map(|i| -(i as f32) * 0.000_45).collect();

@@ -1029,7 +1029,7 @@ mod tests {
             assert_eq!(v >> 16, (src[i] >> 4) as i32);
         }
         #[cfg(target_arch = "x86_64")]
-        if Isa::Avx512Vnni.supported() {
+        if crate::engine::cpu::isa::tested_here(Isa::Avx512Vnni, "unpack_pairs_nibbles") {
             let mut v = [0i32; 32];
             // SAFETY: the CPU has AVX-512.
             unsafe { simd::unpack(&src, &mut v) };
@@ -1047,8 +1047,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn transpose16_transposes() {
-        if !Isa::Avx512Vnni.supported() {
-            eprintln!("transpose16_transposes: not run, no AVX-512 on this CPU");
+        if !crate::engine::cpu::isa::tested_here(Isa::Avx512Vnni, "transpose16_transposes") {
             return;
         }
         use std::arch::x86_64::*;
@@ -1118,8 +1117,7 @@ mod tests {
         for (m, k) in [(64, 1024), (21, 320), (2, 3072), (40, 64 * 7)] {
             let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-3.0f32..3.0)).collect();
             for isa in [Isa::Avx512Vnni, Isa::Avx2] {
-                if !isa.supported() {
-                    eprintln!("prepare_is_the_same_on_any_pool: {isa:?} not on this CPU");
+                if !crate::engine::cpu::isa::tested_here(isa, "prepare_is_the_same_on_any_pool") {
                     continue;
                 }
                 // on the pool's workers, or on a team they form (a host prompt pass's way)
@@ -1161,7 +1159,9 @@ mod tests {
     fn gemm_matches_reference_and_amx() {
         let (here, missing): (Vec<Isa>, Vec<Isa>) = [Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2]
             .into_iter()
-            .partition(|i| i.supported());
+            .partition(|&i| {
+                crate::engine::cpu::isa::tested_here(i, "gemm_matches_reference_and_amx")
+            });
         eprintln!("prompt GEMM tested: {here:?}; not on this CPU: {missing:?}");
         assert!(
             std::env::var_os("REQUIRE_AVX2").is_none() || here.contains(&Isa::Avx2),
@@ -1213,11 +1213,8 @@ mod tests {
         use crate::engine::weights::Dtype;
         let here: Vec<Isa> = [Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2]
             .into_iter()
-            .filter(|i| i.supported())
+            .filter(|&i| crate::engine::cpu::isa::tested_here(i, "gemm_reads_the_copy"))
             .collect();
-        if !here.contains(&Isa::Avx512Vnni) {
-            eprintln!("gemm_reads_the_copy: AVX-512 panels not run, no AVX-512 on this CPU");
-        }
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         let gemm = |isa: Isa, w: &QMatrix, x: &[f32], m: usize| {
             let mut y = vec![f32::NAN; m * w.rows];
