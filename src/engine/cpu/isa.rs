@@ -154,8 +154,24 @@ pub fn active() -> Isa {
 /// to the sets this machine runs) names the set: CI never passes a part it skipped.
 #[cfg(test)]
 pub(crate) fn tested_here(isa: Isa, test: &str) -> bool {
-    let required = std::env::var("REQUIRE_CPU_ISAS").unwrap_or_default();
-    tested_with(isa, test, &required)
+    tested_with(isa, test, &required_sets())
+}
+
+/// Whether `REQUIRE_CPU_ISAS` names `isa`: a test then also checks what that set's kernels
+/// need beyond it (e.g. F16C for the AVX2 attention).
+#[cfg(test)]
+pub(crate) fn required(isa: Isa) -> bool {
+    names(&required_sets(), isa)
+}
+
+#[cfg(test)]
+fn required_sets() -> String {
+    std::env::var("REQUIRE_CPU_ISAS").unwrap_or_default()
+}
+
+#[cfg(test)]
+fn names(required: &str, isa: Isa) -> bool {
+    required.split(',').any(|n| n.trim() == isa.name())
 }
 
 #[cfg(test)]
@@ -164,7 +180,7 @@ fn tested_with(isa: Isa, test: &str, required: &str) -> bool {
         return true;
     }
     assert!(
-        !required.split(',').any(|n| n.trim() == isa.name()),
+        !names(required, isa),
         "{test}: REQUIRE_CPU_ISAS names {} but this process cannot run it",
         isa.name()
     );

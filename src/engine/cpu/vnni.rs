@@ -1163,10 +1163,6 @@ mod tests {
                 crate::engine::cpu::isa::tested_here(i, "gemm_matches_reference_and_amx")
             });
         eprintln!("prompt GEMM tested: {here:?}; not on this CPU: {missing:?}");
-        assert!(
-            std::env::var_os("REQUIRE_AVX2").is_none() || here.contains(&Isa::Avx2),
-            "REQUIRE_AVX2 is set but this CPU has no AVX2"
-        );
         let shapes = crate::engine::cpu::amx::TEST_SHAPES.into_iter();
         for (seed, (gs, m, k, rows)) in shapes
             .chain([(64, 48, 128, 13), (128, 9, 256, 6)])

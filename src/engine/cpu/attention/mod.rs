@@ -1187,7 +1187,7 @@ mod tests {
             );
         }
         #[cfg(target_arch = "x86_64")]
-        if std::env::var_os("REQUIRE_AVX2").is_some() {
+        if crate::engine::cpu::isa::required(crate::engine::cpu::isa::Isa::Avx2) {
             assert!(std::arch::is_x86_feature_detected!("f16c"), "no F16C");
         }
     }
@@ -1243,7 +1243,7 @@ mod tests {
         let walks = Walk::available();
         eprintln!("attention: kernels {walks:?}");
         #[cfg(target_arch = "x86_64")]
-        if std::env::var_os("REQUIRE_AVX2").is_some() {
+        if crate::engine::cpu::isa::required(crate::engine::cpu::isa::Isa::Avx2) {
             assert!(walks.contains(&Walk::Avx2), "no AVX2 + FMA + F16C");
         }
         for simd in walks {
