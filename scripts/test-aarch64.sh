@@ -12,8 +12,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(bash "${AARCH64:-../shared/aarch64}/aarch64-toolchain.sh")"
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target-a64}
-# qemu's `max` CPU has i8mm: the smmla kernel's test must run, not skip
-export REQUIRE_I8MM=1
+# qemu's `max` CPU has every NEON set: a kernel test's part for one of them must run, not skip
+# (`isa::tested_here`, as scripts/test.sh does for the sets of an x86-64 CPU)
+export REQUIRE_CPU_ISAS=scalar,neon,neon-dotprod,neon-i8mm
 # qemu-user does not pass madvise(MADV_HUGEPAGE) on to the host kernel: with the host's huge
 # pages on `madvise` a buffer under qemu never gets them (the test runs natively in CI)
 $AARCH64_CARGO test --locked --target aarch64-unknown-linux-gnu --lib -- "$@" \

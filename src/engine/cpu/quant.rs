@@ -1245,7 +1245,10 @@ mod tests {
                 .collect();
             assert_eq!(q0[97..128], ties[..], "ties to even");
             #[cfg(target_arch = "x86_64")]
-            if Isa::Avx2.supported() {
+            if crate::engine::cpu::isa::tested_here(
+                Isa::Avx2,
+                "activation_codes_agree_across_isas_and_layouts",
+            ) {
                 let (mut d1, mut q1) = (vec![0f32; nb], vec![0i32; k]);
                 // SAFETY: AVX2 and FMA checked above
                 unsafe {

@@ -1036,7 +1036,7 @@ mod tests {
             assert_eq!(v, dst);
         }
         #[cfg(target_arch = "x86_64")]
-        if Isa::Avx2.supported() {
+        if crate::engine::cpu::isa::tested_here(Isa::Avx2, "unpack_pairs_nibbles") {
             let mut v = [0i32; 32];
             // SAFETY: the CPU has AVX2; 32 bytes read, 32 dwords written.
             unsafe { simd256::unpack(&src, &mut v) };
@@ -1072,8 +1072,8 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn prepare_avx512_matches_portable() {
-        if !Isa::Avx512Vnni.supported() {
-            eprintln!("prepare_avx512_matches_portable: not run, no AVX-512 on this CPU");
+        if !crate::engine::cpu::isa::tested_here(Isa::Avx512Vnni, "prepare_avx512_matches_portable")
+        {
             return;
         }
         let (m, k, x) = layout_test_input(5);
