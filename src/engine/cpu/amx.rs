@@ -1101,6 +1101,7 @@ mod tests {
     #[test]
     fn tiles_match_reference_and_hardware() {
         // emulated tiles everywhere, the hardware's too where AMX runs
+        #[cfg(target_arch = "x86_64")]
         let hw =
             crate::engine::cpu::isa::tested_here(Isa::Amx, "tiles_match_reference_and_hardware");
         for (seed, (gs, m, k, rows)) in TEST_SHAPES.into_iter().enumerate() {

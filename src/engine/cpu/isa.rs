@@ -159,7 +159,7 @@ pub(crate) fn tested_here(isa: Isa, test: &str) -> bool {
 
 /// Whether `REQUIRE_CPU_ISAS` names `isa`: a test then also checks what that set's kernels
 /// need beyond it (e.g. F16C for the AVX2 attention).
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 pub(crate) fn required(isa: Isa) -> bool {
     names(&required_sets(), isa)
 }
