@@ -611,7 +611,10 @@ mod tests {
     fn tiles_match_the_row_definition_and_avx512_matches_scalar() {
         // the scalar tile kernel everywhere, the AVX-512 one where it runs
         #[cfg(target_arch = "x86_64")]
-        let avx512 = isa::tested_here(isa::Isa::Avx512Vnni, "tiles_match_the_row_definition");
+        let avx512 = isa::tested_here(
+            isa::Isa::Avx512Vnni,
+            "tiles_match_the_row_definition_and_avx512_matches_scalar",
+        );
         for (gs, k, rows) in [(32, 96, 16), (64, 1024, 48), (128, 640, 40), (64, 448, 35)] {
             let w = random_qmatrix(rows, k, 4, gs, Dtype::BF16, k as u64 + rows as u64);
             let tiles = Tiles::of(&w).expect("a 4-bit bf16 matrix of 16 rows or more");
