@@ -3,7 +3,7 @@
 //! the prompt GEMMs alone, for A/B of kernel changes on one machine. `bot bench` stays the
 //! measure of what users run.
 //!
-//!   cargo run --release --example prompt_gemm [fast|exact] [rounds] [threads] [m] [0.6b|8b] [tile16]
+//!   cargo run --release --example prompt_gemm [fast|exact|int8] [rounds] [threads] [m] [0.6b|8b] [tile16]
 //!
 //! `8b` times the 8B shape's matrix kinds instead (q, k/v, gate|up, down); `tile16` gives each
 //! matrix its decode copy first (`cpu/tile16.rs`), which the AMX and AVX-512 VNNI GEMMs then read.
@@ -16,6 +16,7 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let kernel = match args.next().as_deref() {
         Some("exact") => Numerics::Exact,
+        Some("int8") => Numerics::Int8,
         _ => Numerics::Fast,
     };
     let rounds: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(5).max(1);

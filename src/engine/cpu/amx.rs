@@ -926,6 +926,18 @@ pub(crate) fn assert_within_rounding(
     m: usize,
     got: &[f32],
 ) -> (Vec<f32>, f32) {
+    assert_within_rounding_to(w, x, m, got, 16383.0)
+}
+
+/// `assert_within_rounding` for activations rounded to `qmax` steps a side (127: `int8`).
+#[cfg(test)]
+pub(crate) fn assert_within_rounding_to(
+    w: &QMatrix,
+    x: &[f32],
+    m: usize,
+    got: &[f32],
+    qmax: f32,
+) -> (Vec<f32>, f32) {
     let (k, rows, gs) = (w.cols, w.rows, w.params.group_size);
     let want = w.matmul_reference(x, m);
     let max = want.iter().fold(0f32, |a, v| a.max(v.abs()));
@@ -935,7 +947,7 @@ pub(crate) fn assert_within_rounding(
             let mut bound = 1e-5 * max as f64;
             for kb in 0..k / KB {
                 let blk = &x[t * k + kb * KB..][..KB];
-                let d = blk.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 16383.0;
+                let d = blk.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / qmax as f64;
                 let wsum: f64 = wd[n * k + kb * KB..][..KB]
                     .iter()
                     .map(|v| v.abs() as f64)

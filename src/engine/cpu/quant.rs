@@ -12,7 +12,7 @@
 //!   decoding on the mlx_lm fixtures is unchanged (tested).
 //! - `Int8` (4-bit, AVX2 or NEON): the same with 8-bit activations (llama.cpp's Q8_0 idea): two fewer
 //!   `maddubs` per 64 weights, but an error of up to `max|x|/254` per element that flips
-//!   greedy choices at near-ties.
+//!   greedy choices at near-ties; the bias term takes the codes' sums (`IntActs::code_sums`).
 //!
 //! Threads split the output rows (rayon); each task's rows stay in cache while up to four
 //! activation rows reuse every unpacked 32-byte chunk.
@@ -34,14 +34,19 @@ pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], kernel: Numerics
     // the integer kernels read bf16 scales directly (MLX's default); others use `Exact`
     let int = int_ok(w, isa);
     let from = gemm_from(&[w]);
+    // `int8` prompts: 8-bit activations where that GEMM runs, else `fast`'s prompt GEMMs
+    let ints = matches!(kernel, Numerics::Fast | Numerics::Int8);
     match kernel {
-        Numerics::Fast if m >= from && crate::engine::cpu::amx::usable(w) => {
+        Numerics::Int8 if m >= GEMM_MIN_ROWS && crate::engine::cpu::vnni::int8::usable(w) => {
+            crate::engine::cpu::vnni::int8::qgemm(w, x, m, y)
+        }
+        _ if ints && m >= from && crate::engine::cpu::amx::usable(w) => {
             crate::engine::cpu::amx::qgemm(w, x, m, y)
         }
-        Numerics::Fast if m >= from && crate::engine::cpu::vnni::usable(w) => {
+        _ if ints && m >= from && crate::engine::cpu::vnni::usable(w) => {
             crate::engine::cpu::vnni::qgemm(w, x, m, y)
         }
-        Numerics::Fast if m >= GEMM_MIN_ROWS && crate::engine::cpu::i8mm::usable(w) => {
+        _ if ints && m >= GEMM_MIN_ROWS && crate::engine::cpu::i8mm::usable(w) => {
             crate::engine::cpu::i8mm::qgemm(w, x, m, y)
         }
         _ if m >= GEMM_MIN_ROWS && crate::engine::cpu::gemm::available() => {
@@ -59,7 +64,9 @@ pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], kernel: Numerics
 /// arithmetic is the `Exact` kernel's (f32 values, f32 accumulation) whatever `Numerics` says,
 /// except `Fast` on AMX (`amx.rs`: 15-bit activations on int8 tiles), AVX-512 VNNI, AVX-VNNI
 /// and AVX2 (`vnni.rs`: the same numbers with `vpdpwssd` or `vpmaddwd`) and NEON i8mm
-/// (`i8mm.rs`: with `smmla`).
+/// (`i8mm.rs`: with `smmla`), and `Int8`: 8-bit activations with `vpdpbusd` on AVX-512 VNNI
+/// (`vnni/int8.rs`), `Fast`'s GEMMs where that one does not run (more exact than `Int8`
+/// promises, and faster than f32).
 pub const GEMM_MIN_ROWS: usize = 8;
 
 /// The rows from which `fast` prompts of `ws` take the prompt GEMM: 2 where each has its
@@ -322,8 +329,9 @@ fn exact(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32]) {
 }
 
 /// Activations prepared for the integer kernels: per row, one scale `d` per 32-value block
-/// (`max|x| / qmax`), each value's integer code `round(x / d)` (ties to even), and the exact
-/// f32 sum of each quantization group. The codes are stored in the one layout the kernel that
+/// (`max|x| / qmax`), each value's integer code `round(x / d)` (ties to even), and the f32
+/// sum of each quantization group: exact for 15-bit codes, the codes' for 8-bit ones
+/// (`code_sums`). The codes are stored in the one layout the kernel that
 /// reads them wants (`ActLayout`), built in a single pass (SIMD where the CPU has AVX2).
 pub struct IntActs {
     pub k: usize,
@@ -442,7 +450,9 @@ impl IntActs {
             let xr = &x[i * k..(i + 1) * k];
             let d = &mut a.d[i * nb..(i + 1) * nb];
             let gsum = &mut a.gsum[i * (k / gs)..(i + 1) * (k / gs)];
-            group_sums(xr, gs, gsum);
+            if split {
+                group_sums(xr, gs, gsum);
+            }
             #[cfg(target_arch = "x86_64")]
             if halves && isa::active().avx2() {
                 let r = i * k / 2..(i + 1) * k / 2;
@@ -489,8 +499,30 @@ impl IntActs {
                 }
             }
         }
+        if !split {
+            a.code_sums(m, gs);
+        }
         for (dx, &d) in a.dx.chunks_exact_mut(4).zip(&a.d) {
             dx.fill(d);
+        }
+    }
+
+    /// 8-bit codes: each group's sum as the codes give it, `Σ_blocks d·Σq` in block order,
+    /// over `group_sums`' exact one. The bias term `b·Σx` then errs by `b·ΣΔx`, which with
+    /// MLX's unsigned codes (zero point in the bias) cancels most of `s·Σ q·Δx`: on the mlx_lm
+    /// fixtures `int8`'s logits came 2-4 times closer to mlx_lm's (`vnni::int8` does the same).
+    /// 15-bit codes keep the exact sums: their rounding is 128 times finer.
+    fn code_sums(&mut self, m: usize, gs: usize) {
+        let (k, nb) = (self.k, self.k / 32);
+        for i in 0..m {
+            for g in 0..k / gs {
+                let mut acc = 0f32;
+                for b in g * gs / 32..(g + 1) * gs / 32 {
+                    let q: i32 = (0..32).map(|j| self.code(i, b, j)).sum();
+                    acc += q as f32 * self.d[i * nb + b];
+                }
+                self.gsum[i * (k / gs) + g] = acc;
+            }
         }
     }
 
@@ -702,17 +734,28 @@ pub fn qmatmul_shared(
     if m == 1 {
         return qmatvec_shared(ws, x, kernel);
     }
-    if kernel != Numerics::Fast || m < gemm_from(ws) {
-        return None;
-    }
-    let gemm = shared_gemm(ws)?;
+    let gemm = prompt_gemm(ws, m, kernel)?;
     Some(crate::engine::cpu::vnni::shared_outputs(ws, m, |outs| {
         gemm(ws, x, m, outs)
     }))
 }
 
-/// A shared-input prompt GEMM: `amx`, `vnni` or `i8mm::qgemm_shared`.
+/// A shared-input prompt GEMM: `amx`, `vnni`, `vnni::int8` or `i8mm::qgemm_shared`.
 type SharedGemm = fn(&[&QMatrix], &[f32], usize, &mut [&mut [std::mem::MaybeUninit<f32>]]);
+
+/// The shared-input GEMM that a prompt of `m` rows (2 or more) of `ws` takes with `kernel`, as
+/// `qmatmul` picks for each: `int8`'s own where it runs, else `fast`'s; `None` for `exact`, too
+/// few rows, or where none takes every matrix.
+fn prompt_gemm(ws: &[&QMatrix], m: usize, kernel: Numerics) -> Option<SharedGemm> {
+    use crate::engine::cpu::vnni::int8;
+    match kernel {
+        Numerics::Int8 if m >= GEMM_MIN_ROWS && ws.iter().all(|w| int8::usable(w)) => {
+            Some(int8::qgemm_shared)
+        }
+        Numerics::Fast | Numerics::Int8 if m >= gemm_from(ws) => shared_gemm(ws),
+        _ => None,
+    }
+}
 
 /// The GEMM that takes every one of `ws` for a `fast` prompt here (AMX first, then AVX-512
 /// VNNI, AVX-VNNI or AVX2, then NEON i8mm); `None` where none does.
@@ -749,10 +792,10 @@ pub fn qmatmul_shared_into(
             .zip(ys.iter())
             .all(|(w, y)| w.cols == k && y.len() == m * w.rows);
     // `gemm_from` is 2 at least: a decode row never comes here
-    if !shapes_ok || kernel != Numerics::Fast || m < gemm_from(ws) {
+    if !shapes_ok || m < 2 {
         return false;
     }
-    let Some(gemm) = shared_gemm(ws) else {
+    let Some(gemm) = prompt_gemm(ws, m, kernel) else {
         return false;
     };
     // SAFETY (as_uninit): the kernels store only computed f32 sums.
@@ -1215,6 +1258,47 @@ mod tests {
         }
         assert!(qmatmul_shared(&refs, &x, m, Numerics::Exact).is_none());
         assert!(qmatmul_shared(&refs, &x[..4 * k], 4, Numerics::Fast).is_none());
+    }
+
+    /// `int8` prompts take an integer GEMM wherever `fast` has one: 8-bit activations on
+    /// AVX-512 VNNI (`vnni::int8`, within 8-bit rounding of the reference), `fast`'s GEMM's
+    /// bits elsewhere (AMX, AVX-VNNI, AVX2, NEON i8mm), f32 only where neither runs; shared
+    /// calls give each matrix's own bits, and too few rows go one by one.
+    #[test]
+    fn int8_prompts_take_an_integer_gemm() {
+        use crate::engine::cpu::vnni::int8;
+        let (k, m) = (640, 21);
+        let ws: Vec<QMatrix> = [(50, 64), (13, 128)]
+            .iter()
+            .enumerate()
+            .map(|(i, &(rows, gs))| random_qmatrix(rows, k, 4, gs, Dtype::BF16, 80 + i as u64))
+            .collect();
+        let refs: Vec<&QMatrix> = ws.iter().collect();
+        let x = rand_x(m, k, 23);
+        let got = qmatmul_shared(&refs, &x, m, Numerics::Int8);
+        let fast = qmatmul_shared(&refs, &x, m, Numerics::Fast);
+        assert_eq!(got.is_some(), fast.is_some(), "{:?}", isa::active());
+        let own = ws.iter().all(int8::usable);
+        assert_eq!(own, isa::active() == Isa::Avx512Vnni, "{:?}", isa::active());
+        eprintln!("int8 prompts on {:?}: own GEMM {own}", isa::active());
+        for (i, w) in ws.iter().enumerate() {
+            let mut y = vec![f32::NAN; m * w.rows];
+            qmatmul(w, &x, m, &mut y, Numerics::Int8);
+            if let Some(got) = &got {
+                assert_eq!(got[i], y, "shared and alone");
+            }
+            let mut want = vec![f32::NAN; m * w.rows];
+            if own {
+                int8::qgemm(w, &x, m, &mut want);
+                crate::engine::cpu::amx::assert_within_rounding_to(w, &x, m, &y, int8::QMAX8);
+            } else if fast.is_some() {
+                qmatmul(w, &x, m, &mut want, Numerics::Fast);
+            } else {
+                qmatmul(w, &x, m, &mut want, Numerics::Exact);
+            }
+            assert_eq!(y, want, "{:?} gs {}", isa::active(), w.params.group_size);
+        }
+        assert!(qmatmul_shared(&refs, &x[..4 * k], 4, Numerics::Int8).is_none());
     }
 
     /// The activation quantizer: the AVX2 pass gives the scalar definition's scales and

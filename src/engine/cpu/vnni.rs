@@ -39,6 +39,8 @@ use crate::engine::cpu::team;
 use crate::engine::cpu::tile16;
 use crate::engine::quant::QMatrix;
 
+pub mod int8;
+
 /// Values one activation scale covers.
 pub(crate) const KB: usize = 64;
 /// Pairs of values a block holds.
@@ -72,6 +74,12 @@ pub(crate) fn shape_ok(w: &QMatrix) -> bool {
 /// compiles to vector code.
 #[inline(always)]
 pub(crate) fn quantize(blk: &[f32], q: &mut [i32; KB]) -> (f32, f32) {
+    quantize_to(blk, q, QMAX)
+}
+
+/// `quantize` with the largest code `qmax` (`QMAX`; 127 for `int8`'s prompts, `int8.rs`).
+#[inline(always)]
+pub(crate) fn quantize_to(blk: &[f32], q: &mut [i32; KB], qmax: f32) -> (f32, f32) {
     let (mut mx, mut sm) = ([0f32; 16], [0f32; 16]);
     for c in blk[..KB].chunks_exact(16) {
         for i in 0..16 {
@@ -81,14 +89,14 @@ pub(crate) fn quantize(blk: &[f32], q: &mut [i32; KB]) -> (f32, f32) {
     }
     let amax = mx.iter().fold(0f32, |a, &v| a.max(v));
     let sum = sm.iter().sum();
-    let d = amax / QMAX;
+    let d = amax / qmax;
     // a block of zeros, or so small that `d` is subnormal and 1/d overflows: all codes 0
     let inv = if d >= f32::MIN_POSITIVE { 1.0 / d } else { 0.0 };
     // 1.5·2^23: adding it leaves an |x| < 2^22 rounded to an integer, ties to even (the
     // default rounding), and no libm call
     const ROUND: f32 = 12_582_912.0;
     for (q, &x) in q.iter_mut().zip(blk) {
-        *q = (((x * inv + ROUND) - ROUND) as i32).clamp(-(QMAX as i32), QMAX as i32);
+        *q = (((x * inv + ROUND) - ROUND) as i32).clamp(-(qmax as i32), qmax as i32);
     }
     (d, sum)
 }
@@ -333,7 +341,8 @@ impl Panel {
 /// a 64-token call on the Zen 5 (this way ~10%; the GEMM 8-9% faster).
 ///
 /// # Safety
-/// `unpack(src, dst)` reads 32 bytes at `src` and writes 32 dwords at `dst`, and nothing else.
+/// `unpack(src, dst)` reads 32 bytes at `src` and writes at most 32 dwords at `dst` (16 for
+/// `int8.rs`'s quads), and nothing else.
 #[inline(always)]
 unsafe fn fill_rows(
     p: &mut Panel,
@@ -649,7 +658,7 @@ mod simd256 {
 
 /// The AVX-512 block quantization and word transpose, for `amx.rs`'s layout pass too.
 #[cfg(target_arch = "x86_64")]
-pub(crate) use simd::{quantize16, transpose16};
+pub(crate) use simd::{quantize16, quantize16_to, transpose16};
 
 #[cfg(target_arch = "x86_64")]
 mod simd {
@@ -831,9 +840,19 @@ mod simd {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
     pub(crate) unsafe fn quantize16(p: *const f32) -> ([__m512i; 4], f32, f32) {
+        quantize16_to(p, QMAX)
+    }
+
+    /// `quantize16` with the largest code `qmax` (`super::quantize_to`'s bits).
+    ///
+    /// # Safety
+    /// As `quantize16`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    pub(crate) unsafe fn quantize16_to(p: *const f32, qmax: f32) -> ([__m512i; 4], f32, f32) {
         // no closures or array maps here: they would not inherit the target features, and
         // their intrinsics would be calls
-        let lim = _mm512_set1_epi32(QMAX as i32);
+        let lim = _mm512_set1_epi32(qmax as i32);
         let neg = _mm512_sub_epi32(_mm512_setzero_si512(), lim);
         let mut v = [_mm512_setzero_ps(); 4];
         let (mut mx, mut sm) = (_mm512_setzero_ps(), _mm512_setzero_ps());
@@ -846,7 +865,7 @@ mod simd {
         _mm512_storeu_ps(lanes.as_mut_ptr(), sm);
         let sum: f32 = lanes.iter().sum();
         let amax = _mm512_reduce_max_ps(mx);
-        let dt = amax / QMAX;
+        let dt = amax / qmax;
         let inv = _mm512_set1_ps(if dt >= f32::MIN_POSITIVE {
             1.0 / dt
         } else {
@@ -931,7 +950,7 @@ mod simd {
     /// exist only: each vector's 12 rows x 16 tokens transposed, so a token's rows are one
     /// masked store.
     #[inline(always)]
-    unsafe fn store<const T: usize>(
+    pub(super) unsafe fn store<const T: usize>(
         f: &[[__m512; T]; R],
         rows: usize,
         m: usize,
