@@ -16,6 +16,8 @@
 # that streams its weights from memory does not go much faster, and on a shared machine it
 # moves with the neighbours).
 # Env: THREADS (default: all cores), ROUNDS (2), BOT (default target/release/bot), WORK (/tmp/bot-peers);
+# KERNEL (default: none, bot's default `fast`): `--kernel` for bot, e.g. `int8` (8-bit
+# activations, as llama.cpp's Q8_0 gives its Q4_0 matmuls: the like-for-like arithmetic);
 # READ_RATE (default target/release/examples/read_rate, built if cargo is here; none: no line);
 # LB, GGUF_PY, PY, MAKE_GGUF (below) for a machine without ../shared.
 set -euo pipefail
@@ -23,6 +25,8 @@ cd "$(dirname "$0")/.."
 PEERS=${PEERS:-../shared/peers}
 THREADS=${THREADS:-$(nproc)}
 ROUNDS=${ROUNDS:-2}
+KERNEL=${KERNEL:-}
+KARGS=(); [ -z "$KERNEL" ] || KARGS=(--kernel "$KERNEL")
 BOT=${BOT:-target/release/bot}
 WORK=${WORK:-/tmp/bot-peers}
 SHAPES=("$@"); [ ${#SHAPES[@]} -gt 0 ] || SHAPES=(qwen3-0.6b)
@@ -39,7 +43,7 @@ GGUF_PY=${GGUF_PY:-$(bash "$PEERS/build-llama-cpp.sh" gguf-py)}
 PY=${PY:-${PEERS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/bot-peers}/venv/bin/python}
 MAKE_GGUF=${MAKE_GGUF:-$PEERS/make_random_gguf.py}
 echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//') ($(nproc) cores; $("$BOT" doctor 2>/dev/null | grep '^cpu kernels' || true))"
-echo "threads $THREADS; llama-bench: $LB"
+echo "threads $THREADS; bot kernel ${KERNEL:-default}; llama-bench: $LB"
 for shape in "${SHAPES[@]}"; do
   g=$WORK/$shape-q4_0-pure.gguf; d=$WORK/$shape-mlx
   [ -f "$g" ] || PYTHONPATH=$GGUF_PY "$PY" "$MAKE_GGUF" --model "$shape" --type q4_0 --pure -o "$g" >&2
@@ -50,7 +54,7 @@ for shape in "${SHAPES[@]}"; do
     l=$("$LB" -m "$g" -t "$THREADS" -p 64 -n 64 -d 0,64 -r 3 -o json)
     lp=$(echo "$l" | python3 -c 'import json,sys; r=json.load(sys.stdin); print([x["avg_ts"] for x in r if x["n_prompt"]>0 and x["n_depth"]==0][0])')
     ld=$(echo "$l" | python3 -c 'import json,sys; r=json.load(sys.stdin); print([x["avg_ts"] for x in r if x["n_gen"]>0 and x["n_depth"]==64][0])')
-    b=$("$BOT" bench --model "$d" --threads "$THREADS" --prompt-tokens 64 --gen-tokens 64 --repeats 3 --json 2>/dev/null)
+    b=$("$BOT" bench --model "$d" --threads "$THREADS" --prompt-tokens 64 --gen-tokens 64 --repeats 3 "${KARGS[@]}" --json 2>/dev/null)
     bp=$(echo "$b" | python3 -c 'import json,sys; print(json.load(sys.stdin)["prefill_tok_s"])')
     bd=$(echo "$b" | python3 -c 'import json,sys; print(json.load(sys.stdin)["decode_tok_s"])')
     python3 - "$shape" "$r" "$lp" "$ld" "$bp" "$bd" <<'PY'
