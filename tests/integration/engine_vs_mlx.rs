@@ -669,7 +669,8 @@ fn fused_cuda_sampler_draws_what_the_reference_draws() {
 /// bit for bit, for a whole prompt, token after token of decode, and a prompt in three chunks
 /// (27, 24 and 3 tokens: at an offset, and too short for the shared GEMM, whose fallback
 /// inside the host pass goes through tensors), on every variant (the ones the integer kernels
-/// do not take go through that fallback too), with and without LoRA, both kernels.
+/// do not take go through that fallback too), with and without LoRA, each kernel (`fast`,
+/// `exact`, `int8`).
 #[test]
 fn host_passes_equal_tensor_passes() {
     if !test_device().is_cpu() {
@@ -686,7 +687,7 @@ fn host_passes_equal_tensor_passes() {
             "{v}: the chunks below need more than 51 prompt tokens"
         );
         for lora in [false, true] {
-            for kernel in [Numerics::Fast, Numerics::Exact] {
+            for kernel in [Numerics::Fast, Numerics::Exact, Numerics::Int8] {
                 let mut m = load(&v, lora, kernel);
                 let mut runs = Vec::new();
                 for tensor in [false, true] {

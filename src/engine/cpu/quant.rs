@@ -518,7 +518,15 @@ impl IntActs {
             for g in 0..k / gs {
                 let mut acc = 0f32;
                 for b in g * gs / 32..(g + 1) * gs / 32 {
-                    let q: i32 = (0..32).map(|j| self.code(i, b, j)).sum();
+                    // the block's two halves as they lie (this runs before every decode
+                    // matvec, on one thread); `code` for the other layout
+                    let q: i32 = if self.layout == ActLayout::Halves {
+                        let at = i * k / 2 + b * 16;
+                        let (e, o) = (&self.el[at..at + 16], &self.ol[at..at + 16]);
+                        e.iter().chain(o).map(|&c| c as i32).sum()
+                    } else {
+                        (0..32).map(|j| self.code(i, b, j)).sum()
+                    };
                     acc += q as f32 * self.d[i * nb + b];
                 }
                 self.gsum[i * (k / gs) + g] = acc;
@@ -752,6 +760,9 @@ fn prompt_gemm(ws: &[&QMatrix], m: usize, kernel: Numerics) -> Option<SharedGemm
         Numerics::Int8 if m >= GEMM_MIN_ROWS && ws.iter().all(|w| int8::usable(w)) => {
             Some(int8::qgemm_shared)
         }
+        // a group split between the 8-bit GEMM and another (some with a tile16 copy): one by
+        // one, as `qmatmul` takes each
+        Numerics::Int8 if m >= GEMM_MIN_ROWS && ws.iter().any(|w| int8::usable(w)) => None,
         Numerics::Fast | Numerics::Int8 if m >= gemm_from(ws) => shared_gemm(ws),
         _ => None,
     }
@@ -1299,6 +1310,70 @@ mod tests {
             assert_eq!(y, want, "{:?} gs {}", isa::active(), w.params.group_size);
         }
         assert!(qmatmul_shared(&refs, &x[..4 * k], 4, Numerics::Int8).is_none());
+        if own {
+            // a matrix with a decode copy keeps `fast`'s GEMM: a group with one goes one by one
+            let copied = random_qmatrix(32, k, 4, 64, Dtype::BF16, 90);
+            assert!(crate::engine::cpu::tile16::attach(&copied).is_some());
+            assert!(!int8::usable(&copied));
+            let mixed = [&ws[0], &copied];
+            assert!(qmatmul_shared(&mixed, &x, m, Numerics::Int8).is_none());
+            let mut ys = [vec![0f32; m * ws[0].rows], vec![0f32; m * copied.rows]];
+            let [a, b] = &mut ys;
+            let mut outs = [&mut a[..], &mut b[..]];
+            assert!(!qmatmul_shared_into(
+                &mixed,
+                &x,
+                m,
+                Numerics::Int8,
+                &mut outs
+            ));
+        }
+    }
+
+    /// The groups' sums the bias term takes: for 8-bit codes `Σ_blocks d·Σq` in block order
+    /// (within the codes' rounding of the exact sum), for 15-bit ones `group_sums`' exact
+    /// sums; groups of 32, 64 and 128, both layouts.
+    #[test]
+    fn group_sums_are_the_codes_for_int8() {
+        let (m, k) = (3, 512);
+        let x = rand_x(m, k, 29);
+        for gs in [32, 64, 128] {
+            for (split, layout) in [
+                (false, ActLayout::Halves),
+                (true, ActLayout::Halves),
+                (true, ActLayout::Words),
+            ] {
+                let a = IntActs::new(&x, m, k, gs, split, layout);
+                let mut moved = 0;
+                let mut exact = vec![0f32; m * (k / gs)];
+                for i in 0..m {
+                    group_sums(&x[i * k..][..k], gs, &mut exact[i * (k / gs)..][..k / gs]);
+                }
+                for i in 0..m {
+                    for g in 0..k / gs {
+                        let got = a.gsum[i * (k / gs) + g];
+                        let want = exact[i * (k / gs) + g];
+                        if split {
+                            assert_eq!(got.to_bits(), want.to_bits(), "gs {gs} {layout:?}");
+                            continue;
+                        }
+                        let blocks = g * gs / 32..(g + 1) * gs / 32;
+                        let mut codes = 0f32;
+                        let mut bound = 1e-5 * want.abs();
+                        for b in blocks {
+                            let q: i32 = (0..32).map(|j| a.code(i, b, j)).sum();
+                            codes += q as f32 * a.d[i * (k / 32) + b];
+                            bound += 16.0 * a.d[i * (k / 32) + b];
+                        }
+                        assert_eq!(got.to_bits(), codes.to_bits(), "gs {gs} row {i} group {g}");
+                        assert!((got - want).abs() <= bound, "gs {gs}: {got} vs {want}");
+                        moved += (got != want) as usize;
+                    }
+                }
+                // 8-bit codes round most groups' sums away from the exact ones
+                assert!(split || moved > m * (k / gs) / 2, "gs {gs}: {moved} moved");
+            }
+        }
     }
 
     /// The activation quantizer: the AVX2 pass gives the scalar definition's scales and

@@ -353,9 +353,9 @@ pub enum Numerics {
     /// the CPU, dp2a on CUDA; other cases compute as `exact`), fp16 prompt tiles on CUDA, the
     /// CPU's KV cache in f16
     Fast,
-    /// 8-bit integer activations (4-bit weights, CPU; prompts with `vpdpbusd` on AVX-512 VNNI
-    /// where the weights have no tile16 copy, elsewhere as `fast`), the CPU's KV cache in f16:
-    /// fastest, least exact
+    /// 8-bit integer activations (4-bit weights, CPU; prompts of 8 tokens or more with
+    /// `vpdpbusd` on AVX-512 VNNI where the weights have no tile16 copy, other such prompts
+    /// as `fast`), the CPU's KV cache in f16: fastest, least exact
     Int8,
 }
 

@@ -1,4 +1,5 @@
-//! The `int8` prompt GEMM of 4-bit weights on AVX-512 VNNI (Zen 4 and 5, Ice Lake): `y (m x
+//! The `int8` prompt GEMM of 4-bit weights on AVX-512 VNNI (Zen 4 and 5; Intel's CPUs only with
+//! `BOT_CPU_LAYOUT=rows`, as their matrices have decode copies otherwise): `y (m x
 //! rows) = x (m x cols) @ dequant(w)^T` with the activations as 8-bit integers, one scale per 64
 //! values (`vnni::quantize_to` with 127: llama.cpp's Q8 idea on `vnni.rs`'s blocks), multiplied
 //! with `vpdpbusd` (16 lanes, each four products of an unsigned 4-bit code and a signed 8-bit
@@ -380,8 +381,13 @@ mod tests {
         if !isa::tested_here(Isa::Avx512Vnni, "int8::prepare_avx512_matches_portable") {
             return;
         }
-        let (m, k, x) = layout_test_input(5);
+        let (m, k, mut x) = layout_test_input(5);
+        // a block whose 8-bit scale is subnormal (max 3e-38 / 127): codes 0 on every path
+        x[3 * k + 128..3 * k + 192]
+            .iter_mut()
+            .for_each(|v| *v *= 1e-38);
         let kbs = k / KB;
+        let mut zero_blocks = 0;
         for (j, kbr) in (0..m.div_ceil(TV)).flat_map(|j| [(j, 0..kbs), (j, 1..kbs - 1)]) {
             let n = kbr.len();
             let mut want = (
@@ -409,11 +415,16 @@ mod tests {
                             assert!((xv / dt - code as f32).abs() <= 0.5 + 1e-3, "{xv} / {dt}");
                         } else {
                             assert_eq!(code, 0);
+                            zero_blocks += (i == 0) as usize;
                         }
                     }
                 }
             }
         }
+        assert!(
+            zero_blocks > 0,
+            "no block with a zero or subnormal scale was checked"
+        );
     }
 
     /// The GEMM gives the slow definition's bits (row and token tails: panels of 12 rows, token
