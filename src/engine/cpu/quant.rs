@@ -37,7 +37,7 @@ pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], kernel: Numerics
     // `int8` prompts: 8-bit activations where that GEMM runs, else `fast`'s prompt GEMMs
     let ints = matches!(kernel, Numerics::Fast | Numerics::Int8);
     match kernel {
-        Numerics::Int8 if m >= GEMM_MIN_ROWS && crate::engine::cpu::vnni::int8::usable(w) => {
+        Numerics::Int8 if m >= from && crate::engine::cpu::vnni::int8::usable(w) => {
             crate::engine::cpu::vnni::int8::qgemm(w, x, m, y)
         }
         _ if ints && m >= from && crate::engine::cpu::amx::usable(w) => {
@@ -65,8 +65,8 @@ pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, y: &mut [f32], kernel: Numerics
 /// except `Fast` on AMX (`amx.rs`: 15-bit activations on int8 tiles), AVX-512 VNNI, AVX-VNNI
 /// and AVX2 (`vnni.rs`: the same numbers with `vpdpwssd` or `vpmaddwd`) and NEON i8mm
 /// (`i8mm.rs`: with `smmla`), and `Int8`: 8-bit activations with `vpdpbusd` on AVX-512 VNNI
-/// (`vnni/int8.rs`), `Fast`'s GEMMs where that one does not run (more exact than `Int8`
-/// promises, and faster than f32).
+/// (`vnni/int8.rs`, from 2 rows where the matrix has its copy, as `Fast`), `Fast`'s GEMMs
+/// where that one does not run (more exact than `Int8` promises, and faster than f32).
 pub const GEMM_MIN_ROWS: usize = 8;
 
 /// The rows from which `fast` prompts of `ws` take the prompt GEMM: 2 where each has its
@@ -757,12 +757,12 @@ type SharedGemm = fn(&[&QMatrix], &[f32], usize, &mut [&mut [std::mem::MaybeUnin
 fn prompt_gemm(ws: &[&QMatrix], m: usize, kernel: Numerics) -> Option<SharedGemm> {
     use crate::engine::cpu::vnni::int8;
     match kernel {
-        Numerics::Int8 if m >= GEMM_MIN_ROWS && ws.iter().all(|w| int8::usable(w)) => {
+        Numerics::Int8 if m >= gemm_from(ws) && ws.iter().all(|w| int8::usable(w)) => {
             Some(int8::qgemm_shared)
         }
-        // a group split between the 8-bit GEMM and another (some with a tile16 copy): one by
-        // one, as `qmatmul` takes each
-        Numerics::Int8 if m >= GEMM_MIN_ROWS && ws.iter().any(|w| int8::usable(w)) => None,
+        // a group split between the 8-bit GEMM and another (a width or group size it does not
+        // take): one by one, as `qmatmul` takes each
+        Numerics::Int8 if m >= gemm_from(ws) && ws.iter().any(|w| int8::usable(w)) => None,
         Numerics::Fast | Numerics::Int8 if m >= gemm_from(ws) => shared_gemm(ws),
         _ => None,
     }
@@ -1311,13 +1311,12 @@ mod tests {
         }
         assert!(qmatmul_shared(&refs, &x[..4 * k], 4, Numerics::Int8).is_none());
         if own {
-            // a matrix with a decode copy keeps `fast`'s GEMM: a group with one goes one by one
-            let copied = random_qmatrix(32, k, 4, 64, Dtype::BF16, 90);
-            assert!(crate::engine::cpu::tile16::attach(&copied).is_some());
-            assert!(!int8::usable(&copied));
-            let mixed = [&ws[0], &copied];
+            // groups of 32 take no prompt GEMM: a group with such a matrix goes one by one
+            let other = random_qmatrix(32, k, 4, 32, Dtype::BF16, 90);
+            assert!(!int8::usable(&other));
+            let mixed = [&ws[0], &other];
             assert!(qmatmul_shared(&mixed, &x, m, Numerics::Int8).is_none());
-            let mut ys = [vec![0f32; m * ws[0].rows], vec![0f32; m * copied.rows]];
+            let mut ys = [vec![0f32; m * ws[0].rows], vec![0f32; m * other.rows]];
             let [a, b] = &mut ys;
             let mut outs = [&mut a[..], &mut b[..]];
             assert!(!qmatmul_shared_into(

@@ -675,8 +675,28 @@ mod simd {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
     pub unsafe fn tile(w: &QMatrix, a: &Acts, m: usize, n0: usize, p: &mut Panel, out: &SyncPtr) {
         fill(p, w, n0);
-        // the next tile's codes on their way to L2 while this one computes: a tile's rows are
-        // read once a call, mostly from memory, and the unpacking would wait for them
+        prefetch_next(w, n0);
+        let mt = m.div_ceil(TV);
+        let mut j = 0;
+        while j + 2 <= mt {
+            let f = vectors::<2>(a, p, j);
+            store(&f, w.rows, m, n0, j, out);
+            j += 2;
+        }
+        if j < mt {
+            let f = vectors::<1>(a, p, j);
+            store(&f, w.rows, m, n0, j, out);
+        }
+    }
+
+    /// The next panel's codes (rows `n0 + R..n0 + 2R`, from the copy where it has them) on
+    /// their way to L2 while this one computes: a tile's rows are read once a call, mostly
+    /// from memory, and the unpacking would wait for them.
+    ///
+    /// # Safety
+    /// The CPU has SSE (every x86-64 CPU).
+    #[inline(always)]
+    pub(super) unsafe fn prefetch_next(w: &QMatrix, n0: usize) {
         if let Some(t) = copy_of(w) {
             // the copy's tiles (16 rows) the next panel reaches and this one did not
             let (last, end) = ((n0 + R).min(w.rows), (n0 + 2 * R).min(w.rows));
@@ -693,17 +713,6 @@ mod simd {
                     _mm_prefetch::<_MM_HINT_T1>(packed.as_ptr().add(n * rb + off) as *const i8);
                 }
             }
-        }
-        let mt = m.div_ceil(TV);
-        let mut j = 0;
-        while j + 2 <= mt {
-            let f = vectors::<2>(a, p, j);
-            store(&f, w.rows, m, n0, j, out);
-            j += 2;
-        }
-        if j < mt {
-            let f = vectors::<1>(a, p, j);
-            store(&f, w.rows, m, n0, j, out);
         }
     }
 
@@ -724,6 +733,29 @@ mod simd {
         r0: usize,
         r1: usize,
     ) {
+        fill_from_copy_with(p, t, tile, n0, r0, r1, 16, |src, dst| unpack16(src, dst))
+    }
+
+    /// `fill_from_copy` with each 16-byte piece unpacked by `unpack` into `half` dwords
+    /// (16 code pairs here, 8 code quads for `int8.rs`).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, BW and VL; `unpack(src, dst)` reads 16 bytes at `src`, writes
+    /// `half` <= 16 dwords at `dst` and nothing else.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn fill_from_copy_with(
+        p: &mut Panel,
+        t: &Tiles,
+        tile: usize,
+        n0: usize,
+        r0: usize,
+        r1: usize,
+        half: usize,
+        unpack: impl Fn(*const u8, *mut i32),
+    ) {
+        assert!(half <= 16);
         debug_assert!(
             tile < t.tiles && r0 < r1 && (n0 + r0) / ROWS == tile && (n0 + r1 - 1) / ROWS == tile
         );
@@ -750,8 +782,8 @@ mod simd {
                     let (l, k) = (lane / 4, lane % 4);
                     let at = kb * R + r;
                     // words 0-3 (the row's bytes 0-15), then words 4-7
-                    unpack16(qp.add(64 * k + 16 * l), pq.add(at * PAIRS));
-                    unpack16(qp.add(64 * (k + 4) + 16 * l), pq.add(at * PAIRS + 16));
+                    unpack(qp.add(64 * k + 16 * l), pq.add(at * PAIRS));
+                    unpack(qp.add(64 * (k + 4) + 16 * l), pq.add(at * PAIRS + half));
                     let bf = |i: usize| f32::from_bits((sb.add(i).read_unaligned() as u32) << 16);
                     (*ps.add(at), *pb.add(at)) = (bf(lane), bf(ROWS + lane));
                 }
@@ -1266,10 +1298,10 @@ mod tests {
         }
     }
 
-    /// Short `fast` calls (2-7 tokens: a prompt's last chunk) of matrices with a copy take
-    /// the prompt GEMM, which reads the copy: with the matrices' own bytes zeroed, `qmatmul`
-    /// and `qmatmul_shared` still give the rows in whole tiles (where the process's set is
-    /// AMX or AVX-512 VNNI, the CPUs that make copies).
+    /// Short `fast` and `int8` calls (2-7 tokens: a prompt's last chunk) of matrices with a
+    /// copy take the prompt GEMM, which reads the copy: with the matrices' own bytes zeroed,
+    /// `qmatmul` and `qmatmul_shared` still give the rows in whole tiles (where the process's
+    /// set is AMX or AVX-512 VNNI, the CPUs that make copies).
     #[test]
     fn short_calls_read_the_copy() {
         use crate::engine::cpu::quant::{qmatmul, qmatmul_shared};
@@ -1285,19 +1317,24 @@ mod tests {
         assert!(tile16::attach(&w).is_some());
         let blank = crate::engine::quant::testutil::blanked(&w);
         let whole = rows / tile16::ROWS * tile16::ROWS;
-        for m in 2..8 {
+        // `int8`'s prompts too (its own GEMM on AVX-512 VNNI, `fast`'s on AMX)
+        for (m, kernel) in (2..8).flat_map(|m| [(m, Numerics::Fast), (m, Numerics::Int8)]) {
             let (_, x) = crate::engine::cpu::amx::test_case(m, 64, m, k, rows);
             let mut want = vec![0f32; m * rows];
-            qmatmul(&w, &x, m, &mut want, Numerics::Fast);
+            qmatmul(&w, &x, m, &mut want, kernel);
             let mut got = vec![0f32; m * rows];
-            qmatmul(&blank, &x, m, &mut got, Numerics::Fast);
-            let shared = qmatmul_shared(&[&blank, &blank], &x, m, Numerics::Fast)
+            qmatmul(&blank, &x, m, &mut got, kernel);
+            let shared = qmatmul_shared(&[&blank, &blank], &x, m, kernel)
                 .expect("a shared GEMM for matrices with copies");
             for t in 0..m {
                 let r = &want[t * rows..][..whole];
-                assert_eq!(&got[t * rows..][..whole], r, "m {m} token {t}");
+                assert_eq!(&got[t * rows..][..whole], r, "m {m} token {t} {kernel:?}");
                 for y in &shared {
-                    assert_eq!(&y[t * rows..][..whole], r, "m {m} token {t}: shared");
+                    assert_eq!(
+                        &y[t * rows..][..whole],
+                        r,
+                        "m {m} token {t}: shared {kernel:?}"
+                    );
                 }
             }
         }

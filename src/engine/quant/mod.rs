@@ -354,8 +354,8 @@ pub enum Numerics {
     /// CPU's KV cache in f16
     Fast,
     /// 8-bit integer activations (4-bit weights, CPU; prompts of 8 tokens or more with
-    /// `vpdpbusd` on AVX-512 VNNI where the weights have no tile16 copy, other such prompts
-    /// as `fast`), the CPU's KV cache in f16: fastest, least exact
+    /// `vpdpbusd` on AVX-512 VNNI without AMX, other such prompts as `fast`), the CPU's KV
+    /// cache in f16: fastest, least exact
     Int8,
 }
 

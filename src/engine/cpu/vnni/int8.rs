@@ -1,5 +1,5 @@
-//! The `int8` prompt GEMM of 4-bit weights on AVX-512 VNNI (Zen 4 and 5; Intel's CPUs only with
-//! `BOT_CPU_LAYOUT=rows`, as their matrices have decode copies otherwise): `y (m x
+//! The `int8` prompt GEMM of 4-bit weights on AVX-512 VNNI (Zen 4 and 5, Ice Lake; AMX CPUs
+//! prompt on AMX's tiles, `fast`'s arithmetic): `y (m x
 //! rows) = x (m x cols) @ dequant(w)^T` with the activations as 8-bit integers, one scale per 64
 //! values (`vnni::quantize_to` with 127: llama.cpp's Q8 idea on `vnni.rs`'s blocks), multiplied
 //! with `vpdpbusd` (16 lanes, each four products of an unsigned 4-bit code and a signed 8-bit
@@ -14,12 +14,13 @@
 //! four codes `4u..4u + 4` in `vnni::Panel`'s 32-dword slots (`fill_rows` places them), 12 rows
 //! by two token vectors a register tile, and per block `vnni.rs`'s epilogue
 //! `y = fma(b, Σx, fma(c·d, s, y))`, `c` exact in i32 (|c| ≤ 64 · 15 · 127), with the block's
-//! sum as its codes give it, `Σx = d·Σq` (`quantized_sum` says why). Matrices with a
-//! `tile16` copy (Intel's CPUs) keep `fast`'s GEMM, which reads the copy instead of the file.
+//! sum as its codes give it, `Σx = d·Σq` (`quantized_sum` says why). Where a matrix has its
+//! `tile16` copy (Intel's CPUs) the panels read their rows' whole tiles from it, as `fast`'s
+//! do, so prompts do not read the model's file beside it.
 
 use std::mem::MaybeUninit;
 
-use super::{copy_of, shape_ok, KB};
+use super::{shape_ok, KB};
 use crate::engine::cpu::isa::{self, Isa};
 use crate::engine::quant::QMatrix;
 
@@ -28,10 +29,10 @@ const QUADS: usize = KB / 4;
 /// The largest activation code: 8 bits with the sign.
 pub(crate) const QMAX8: f32 = 127.0;
 
-/// Whether `int8` prompts of `w` run here: the process's instruction set is `avx512-vnni`,
-/// `w` has 4-bit codes in groups of 64 or a multiple and no `tile16` copy.
+/// Whether `int8` prompts of `w` run here: the process's instruction set is `avx512-vnni` and
+/// `w` has 4-bit codes in groups of 64 or a multiple.
 pub fn usable(w: &QMatrix) -> bool {
-    isa::active() == Isa::Avx512Vnni && shape_ok(w) && copy_of(w).is_none()
+    isa::active() == Isa::Avx512Vnni && shape_ok(w)
 }
 
 /// `y = x @ dequant(w)^T` with 8-bit activations. Callers check `usable(w)` first.
@@ -198,8 +199,10 @@ fn run(ws: &[&QMatrix], x: &[f32], m: usize, ys: &mut [&mut [MaybeUninit<f32>]])
 mod simd {
     use std::arch::x86_64::*;
 
-    use super::super::{fill_rows, simd::store, Acts, Panel, SyncPtr, KB, PAIRS, R, TV};
+    use super::super::simd::{fill_from_copy_with, prefetch_next, store};
+    use super::super::{copy_of, fill_rows, Acts, Panel, SyncPtr, KB, PAIRS, R, TV};
     use super::{QMAX8, QUADS};
+    use crate::engine::cpu::tile16::ROWS;
     use crate::engine::cpu::vnni::{quantize16_to, transpose16};
     use crate::engine::quant::QMatrix;
 
@@ -210,14 +213,8 @@ mod simd {
     /// The CPU has AVX-512 F/BW/VL and VNNI.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
     pub unsafe fn tile(w: &QMatrix, a: &Acts, m: usize, n0: usize, p: &mut Panel, out: &SyncPtr) {
-        fill_rows(p, w, n0, 0, |src, dst| unpack_ptr(src, dst));
-        // the next tile's codes on their way to L2 while this one computes
-        let (packed, rb): (&[u8], usize) = (&w.packed, w.row_bytes());
-        for n in (n0 + R).min(w.rows)..(n0 + 2 * R).min(w.rows) {
-            for off in (0..rb).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T1>(packed.as_ptr().add(n * rb + off) as *const i8);
-            }
-        }
+        fill(p, w, n0);
+        prefetch_next(w, n0);
         let mt = m.div_ceil(TV);
         let mut j = 0;
         while j + 2 <= mt {
@@ -229,6 +226,35 @@ mod simd {
             let f = vectors::<1>(a, p, j);
             store(&f, w.rows, m, n0, j, out);
         }
+    }
+
+    /// Rows `n0..n0 + R` of `w` into the panel as quads (`vnni::simd::fill`: the rows in the
+    /// decode copy's whole tiles from it, the rest from the matrix; zeros past the last row).
+    #[inline(always)]
+    unsafe fn fill(p: &mut Panel, w: &QMatrix, n0: usize) {
+        let nr = R.min(w.rows.saturating_sub(n0));
+        let mut from = 0;
+        if let Some(t) = copy_of(w) {
+            while from < nr && (n0 + from) / ROWS < t.tiles {
+                let tile = (n0 + from) / ROWS;
+                let to = ((tile + 1) * ROWS - n0).min(nr);
+                fill_from_copy_with(p, t, tile, n0, from, to, QUADS / 2, |src, dst| {
+                    unpack16(src, dst)
+                });
+                from = to;
+            }
+        }
+        fill_rows(p, w, n0, from, |src, dst| unpack_ptr(src, dst));
+    }
+
+    /// 16 packed bytes (32 codes) as 8 dwords of code quads (`unpack_ptr`'s first half).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline]
+    unsafe fn unpack16(src: *const u8, dst: *mut i32) {
+        let b = _mm256_cvtepu8_epi16(_mm_loadu_si128(src as *const _));
+        let mask = _mm256_set1_epi16(0x0f0f);
+        let v = _mm256_ternarylogic_epi32::<0xA8>(b, _mm256_slli_epi16::<4>(b), mask);
+        _mm256_storeu_si256(dst as *mut _, v);
     }
 
     /// 32 packed bytes (64 codes, low nibble first) as 64 code bytes in order, 16 dwords at
@@ -474,6 +500,41 @@ mod tests {
                     "qmatmul's int8 prompt path is this GEMM"
                 );
             }
+        }
+    }
+
+    /// With a `tile16` copy the panels read their rows' whole tiles from it and give the rows'
+    /// bits; with the matrix's own codes, scales and biases zeroed the same outputs for every
+    /// row of a whole tile (the tail rows, which read the matrix, give zeros): panels of 12
+    /// rows across tiles of 16, groups of 64 and 128.
+    #[test]
+    fn gemm_reads_the_copy() {
+        if !isa::tested_here(Isa::Avx512Vnni, "int8::gemm_reads_the_copy") {
+            return;
+        }
+        use crate::engine::quant::testutil::{blanked, random_qmatrix};
+        use crate::engine::weights::Dtype;
+        let gemm = |w: &QMatrix, x: &[f32], m: usize| {
+            let mut y = vec![f32::NAN; m * w.rows];
+            // SAFETY: the kernel stores only computed f32 sums.
+            run(&[w], x, m, &mut [unsafe { as_uninit(&mut y[..]) }]);
+            y
+        };
+        let shapes = [(64, 17, 1024, 50), (128, 33, 640, 96), (64, 9, 128, 200)];
+        for (seed, (gs, m, k, rows)) in shapes.into_iter().enumerate() {
+            let w = random_qmatrix(rows, k, 4, gs, Dtype::BF16, seed as u64 + 51);
+            let (_, x) = crate::engine::cpu::amx::test_case(seed, gs, m, k, rows);
+            let want = gemm(&w, &x, m);
+            assert_eq!(bits(&want), bits(&gemm_portable(&w, &x, m)));
+            assert!(crate::engine::cpu::tile16::attach(&w).is_some());
+            assert_eq!(
+                bits(&gemm(&w, &x, m)),
+                bits(&want),
+                "gs {gs}: with the copy"
+            );
+            let got = gemm(&blanked(&w), &x, m);
+            let what = format!("int8 gs {gs}");
+            crate::engine::cpu::amx::assert_read_from_copy(&got, &want, m, rows, &what);
         }
     }
 
