@@ -217,11 +217,29 @@ fn pair(lo: i32, hi: i32) -> i32 {
     ((lo as u32 & 0xffff) | ((hi as u32) << 16)) as i32
 }
 
+/// The activation codes of a call: `fast`'s 15-bit ones two to a dword (`vpdpwssd`), or
+/// `int8.rs`'s 8-bit ones four to a dword (`vpdpbusd`, AVX-512 VNNI only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Codes {
+    Pairs15,
+    Quads8,
+}
+
+impl Codes {
+    /// Dwords a token's 64-value block takes.
+    fn dwords(self) -> usize {
+        match self {
+            Codes::Pairs15 => PAIRS,
+            Codes::Quads8 => int8::QUADS,
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
-fn prepare(x: &[f32], m: usize, k: usize, isa: Isa) -> Acts {
-    let (mt, kbs) = (m.div_ceil(TV), k / KB);
+fn prepare(x: &[f32], m: usize, k: usize, isa: Isa, codes: Codes) -> Acts {
+    let (mt, kbs, per) = (m.div_ceil(TV), k / KB, codes.dwords());
     let mut a = Acts {
-        q: vec![0; mt * kbs * PAIRS * TV],
+        q: vec![0; mt * kbs * per * TV],
         d: vec![0.0; mt * kbs * TV],
         sx: vec![0.0; mt * kbs * TV],
         kbs,
@@ -229,7 +247,7 @@ fn prepare(x: &[f32], m: usize, k: usize, isa: Isa) -> Acts {
     // tasks of `g` blocks of one token vector: a vector a task left all but 4 of 16 threads
     // idle in a 64-token prompt (the Xeon, twenty-ninth session)
     let g = prepare_blocks(kbs, mt, TV.min(m));
-    let mut parts: Vec<_> = (a.q.chunks_mut(g * PAIRS * TV))
+    let mut parts: Vec<_> = (a.q.chunks_mut(g * per * TV))
         .zip(a.d.chunks_mut(g * TV).zip(a.sx.chunks_mut(g * TV)))
         .enumerate()
         .collect();
@@ -237,7 +255,10 @@ fn prepare(x: &[f32], m: usize, k: usize, isa: Isa) -> Acts {
     team::for_each_mut(&mut parts, |(c, (q, (d, sx)))| {
         let (j, kb0) = (*c / (kbs / g), *c % (kbs / g) * g);
         let kbr = kb0..kb0 + g;
-        if isa == Isa::Avx512Vnni {
+        if codes == Codes::Quads8 {
+            // SAFETY: the CPU has AVX-512 VNNI (`run_on` asserted it for 8-bit codes).
+            unsafe { int8::simd::prepare_vector(x, m, k, j, kbr, q, d, sx) }
+        } else if isa == Isa::Avx512Vnni {
             // SAFETY: the CPU has AVX-512 VNNI (`run_on`'s caller checked).
             unsafe { simd::prepare_vector(x, m, k, j, kbr, q, d, sx) }
         } else {
@@ -415,19 +436,27 @@ fn unpack_portable(src: &[u8], dst: &mut [i32]) {
 fn run(ws: &[&QMatrix], x: &[f32], m: usize, ys: &mut [&mut [MaybeUninit<f32>]]) {
     let isa = isa::active();
     assert!(matches!(isa, Isa::Avx512Vnni | Isa::AvxVnni | Isa::Avx2));
-    run_on(isa, ws, x, m, ys)
+    run_on(isa, Codes::Pairs15, ws, x, m, ys)
 }
 
 /// `run` with the kernels of `isa` (`Avx512Vnni`, `AvxVnni` or `Avx2`), which the CPU has
-/// (asserted).
+/// (asserted), on `codes` (8-bit ones on `Avx512Vnni` only: `int8.rs`).
 #[cfg(target_arch = "x86_64")]
-fn run_on(isa: Isa, ws: &[&QMatrix], x: &[f32], m: usize, ys: &mut [&mut [MaybeUninit<f32>]]) {
+fn run_on(
+    isa: Isa,
+    codes: Codes,
+    ws: &[&QMatrix],
+    x: &[f32],
+    m: usize,
+    ys: &mut [&mut [MaybeUninit<f32>]],
+) {
     assert!(isa.supported() && matches!(isa, Isa::Avx512Vnni | Isa::AvxVnni | Isa::Avx2));
+    assert!(codes == Codes::Pairs15 || isa == Isa::Avx512Vnni);
     let k = check_shapes(ws, x, m, ys);
     if m == 0 {
         return;
     }
-    let acts = prepare(x, m, k, isa);
+    let acts = prepare(x, m, k, isa, codes);
     let outs: Vec<SyncPtr> = ys
         .iter_mut()
         .map(|y| SyncPtr(y.as_mut_ptr().cast()))
@@ -447,7 +476,10 @@ fn run_on(isa: Isa, ws: &[&QMatrix], x: &[f32], m: usize, ys: &mut [&mut [MaybeU
                 // SAFETY: the CPU has the instruction set (asserted above).
                 unsafe {
                     match isa {
-                        Isa::Avx512Vnni => simd::tile(w, &acts, m, n0, panel, out),
+                        Isa::Avx512Vnni if codes == Codes::Quads8 => {
+                            simd::tile::<true>(w, &acts, m, n0, panel, out)
+                        }
+                        Isa::Avx512Vnni => simd::tile::<false>(w, &acts, m, n0, panel, out),
                         Isa::AvxVnni => simd256::tile_vnni(w, &acts, m, n0, panel, out),
                         _ => simd256::tile_avx2(w, &acts, m, n0, panel, out),
                     }
@@ -668,23 +700,35 @@ mod simd {
     use crate::engine::cpu::tile16::{transpose_block, Tiles, ROWS};
     use crate::engine::quant::QMatrix;
 
-    /// Rows `n0..n0 + R` against every token: the panel once, then token vectors two at a time.
+    /// Rows `n0..n0 + R` against every token: the panel once, then token vectors two at a time;
+    /// `EIGHT`: 8-bit codes in quads (`int8.rs`), else 15-bit ones in pairs.
     ///
     /// # Safety
-    /// The CPU has AVX-512 F/BW/VL and VNNI.
+    /// The CPU has AVX-512 F/BW/VL and VNNI; `a` holds `EIGHT`'s codes.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    pub unsafe fn tile(w: &QMatrix, a: &Acts, m: usize, n0: usize, p: &mut Panel, out: &SyncPtr) {
-        fill(p, w, n0);
+    pub unsafe fn tile<const EIGHT: bool>(
+        w: &QMatrix,
+        a: &Acts,
+        m: usize,
+        n0: usize,
+        p: &mut Panel,
+        out: &SyncPtr,
+    ) {
+        if EIGHT {
+            super::int8::simd::fill(p, w, n0);
+        } else {
+            fill_with(p, w, n0, 16, |s, d| unpack16(s, d), |s, d| unpack_ptr(s, d));
+        }
         prefetch_next(w, n0);
         let mt = m.div_ceil(TV);
         let mut j = 0;
         while j + 2 <= mt {
-            let f = vectors::<2>(a, p, j);
+            let f = vectors::<2, EIGHT>(a, p, j);
             store(&f, w.rows, m, n0, j, out);
             j += 2;
         }
         if j < mt {
-            let f = vectors::<1>(a, p, j);
+            let f = vectors::<1, EIGHT>(a, p, j);
             store(&f, w.rows, m, n0, j, out);
         }
     }
@@ -696,7 +740,7 @@ mod simd {
     /// # Safety
     /// The CPU has SSE (every x86-64 CPU).
     #[inline(always)]
-    pub(super) unsafe fn prefetch_next(w: &QMatrix, n0: usize) {
+    unsafe fn prefetch_next(w: &QMatrix, n0: usize) {
         if let Some(t) = copy_of(w) {
             // the copy's tiles (16 rows) the next panel reaches and this one did not
             let (last, end) = ((n0 + R).min(w.rows), (n0 + 2 * R).min(w.rows));
@@ -718,26 +762,9 @@ mod simd {
 
     /// Panel rows `r0..r1` (matrix rows `n0 + r0..`, all in whole tile `tile` of `t`) from
     /// the decode copy: each block transposed once (`tile16::transpose_block`), then each
-    /// row's two 16-byte pieces unpacked as `unpack` does MLX's 32 bytes; the group's scales
-    /// and biases from after its codes.
-    ///
-    /// # Safety
-    /// The CPU has AVX-512 F, BW and VL.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    #[inline]
-    unsafe fn fill_from_copy(
-        p: &mut Panel,
-        t: &Tiles,
-        tile: usize,
-        n0: usize,
-        r0: usize,
-        r1: usize,
-    ) {
-        fill_from_copy_with(p, t, tile, n0, r0, r1, 16, |src, dst| unpack16(src, dst))
-    }
-
-    /// `fill_from_copy` with each 16-byte piece unpacked by `unpack` into `half` dwords
-    /// (16 code pairs here, 8 code quads for `int8.rs`).
+    /// row's two 16-byte pieces unpacked by `unpack` into `half` dwords each (16 code pairs,
+    /// or 8 code quads for `int8.rs`), as MLX's 32 bytes are; the group's scales and biases
+    /// from after its codes.
     ///
     /// # Safety
     /// The CPU has AVX-512 F, BW and VL; `unpack(src, dst)` reads 16 bytes at `src`, writes
@@ -745,7 +772,7 @@ mod simd {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     #[inline]
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn fill_from_copy_with(
+    unsafe fn fill_from_copy(
         p: &mut Panel,
         t: &Tiles,
         tile: usize,
@@ -824,17 +851,23 @@ mod simd {
     }
 
     /// The panel's rows against token vectors `j..j + T`, every block: `[row][vector]` f32
-    /// sums of 16 tokens.
+    /// sums of 16 tokens; `EIGHT` as `tile`'s.
     #[inline(always)]
-    unsafe fn vectors<const T: usize>(a: &Acts, p: &Panel, j: usize) -> [[__m512; T]; R] {
+    unsafe fn vectors<const T: usize, const EIGHT: bool>(
+        a: &Acts,
+        p: &Panel,
+        j: usize,
+    ) -> [[__m512; T]; R] {
         let kbs = a.kbs;
+        // dwords of a block: pairs of 15-bit codes, or quads of 8-bit ones
+        let steps = if EIGHT { PAIRS / 2 } else { PAIRS };
         let mut f = [[_mm512_setzero_ps(); T]; R];
         for kb in 0..kbs {
             let mut c = [[_mm512_setzero_si512(); T]; R];
             let wq = p.q.as_ptr().add(kb * R * PAIRS);
             let xq: [*const i32; T] =
-                std::array::from_fn(|t| a.q.as_ptr().add(((j + t) * kbs + kb) * PAIRS * TV));
-            for pp in 0..PAIRS {
+                std::array::from_fn(|t| a.q.as_ptr().add(((j + t) * kbs + kb) * steps * TV));
+            for pp in 0..steps {
                 let xv: [__m512i; T] =
                     std::array::from_fn(|t| _mm512_loadu_si512(xq[t].add(pp * TV) as *const _));
                 // `r` indexes the register tile and the weights alike
@@ -842,7 +875,11 @@ mod simd {
                 for r in 0..R {
                     let wv = _mm512_set1_epi32(*wq.add(r * PAIRS + pp));
                     for t in 0..T {
-                        c[r][t] = _mm512_dpwssd_epi32(c[r][t], xv[t], wv);
+                        // 8-bit: the codes are the unsigned operand, the activations signed
+                        c[r][t] = match EIGHT {
+                            true => _mm512_dpbusd_epi32(c[r][t], wv, xv[t]),
+                            false => _mm512_dpwssd_epi32(c[r][t], xv[t], wv),
+                        };
                     }
                 }
             }
@@ -961,9 +998,18 @@ mod simd {
         }
     }
 
-    /// Rows `n0..n0 + R` of `w` into the panel (zeros past the last row).
+    /// Rows `n0..n0 + R` of `w` into the panel (zeros past the last row): from the copy's
+    /// whole tiles 16 bytes at a time by `unpack16` (into `half` dwords), from the matrix's
+    /// rows 32 at a time by `unpack32` (`fill_rows`).
     #[inline(always)]
-    unsafe fn fill(p: &mut Panel, w: &QMatrix, n0: usize) {
+    pub(super) unsafe fn fill_with(
+        p: &mut Panel,
+        w: &QMatrix,
+        n0: usize,
+        half: usize,
+        unpack16: impl Fn(*const u8, *mut i32),
+        unpack32: impl Fn(*const u8, *mut i32),
+    ) {
         let nr = R.min(w.rows.saturating_sub(n0));
         // the rows in the copy's whole tiles from it, a tile's at a time
         let mut from = 0;
@@ -971,18 +1017,18 @@ mod simd {
             while from < nr && (n0 + from) / ROWS < t.tiles {
                 let tile = (n0 + from) / ROWS;
                 let to = ((tile + 1) * ROWS - n0).min(nr);
-                fill_from_copy(p, t, tile, n0, from, to);
+                fill_from_copy(p, t, tile, n0, from, to, half, &unpack16);
                 from = to;
             }
         }
-        fill_rows(p, w, n0, from, |src, dst| unpack_ptr(src, dst));
+        fill_rows(p, w, n0, from, unpack32);
     }
 
     /// Writes the sums of token vectors `j..j + T` into `y (m x rows)`, rows and tokens that
     /// exist only: each vector's 12 rows x 16 tokens transposed, so a token's rows are one
     /// masked store.
     #[inline(always)]
-    pub(super) unsafe fn store<const T: usize>(
+    unsafe fn store<const T: usize>(
         f: &[[__m512; T]; R],
         rows: usize,
         m: usize,
@@ -1178,8 +1224,10 @@ mod tests {
                     let g = pool.install(|| prepare_blocks(k / KB, m.div_ceil(TV), TV.min(m)));
                     assert_eq!((k / KB) % g, 0, "{threads} threads: {g} blocks a task");
                     let a = match team {
-                        true => pool.install(|| team::Team::lead(|| prepare(&x, m, k, isa))),
-                        false => pool.install(|| prepare(&x, m, k, isa)),
+                        true => pool.install(|| {
+                            team::Team::lead(|| prepare(&x, m, k, isa, Codes::Pairs15))
+                        }),
+                        false => pool.install(|| prepare(&x, m, k, isa, Codes::Pairs15)),
                     };
                     (
                         a.q,
@@ -1224,7 +1272,14 @@ mod tests {
             for &isa in &here {
                 let mut got = vec![f32::NAN; m * rows];
                 // SAFETY: the kernel stores only computed f32 sums.
-                run_on(isa, &[&w], &x, m, &mut [unsafe { as_uninit(&mut got[..]) }]);
+                run_on(
+                    isa,
+                    Codes::Pairs15,
+                    &[&w],
+                    &x,
+                    m,
+                    &mut [unsafe { as_uninit(&mut got[..]) }],
+                );
                 crate::engine::cpu::amx::assert_within_rounding(&w, &x, m, &got);
                 for (i, (a, b)) in got.iter().zip(&tiles).enumerate() {
                     assert_eq!(
@@ -1266,7 +1321,14 @@ mod tests {
         let gemm = |isa: Isa, w: &QMatrix, x: &[f32], m: usize| {
             let mut y = vec![f32::NAN; m * w.rows];
             // SAFETY: the kernel stores only computed f32 sums.
-            run_on(isa, &[w], x, m, &mut [unsafe { as_uninit(&mut y[..]) }]);
+            run_on(
+                isa,
+                Codes::Pairs15,
+                &[w],
+                x,
+                m,
+                &mut [unsafe { as_uninit(&mut y[..]) }],
+            );
             y
         };
         let shapes = [

@@ -9,9 +9,10 @@
 //! default, stays on 15 bits. The slow reference is `gemm_portable` (the same integer sums and
 //! f32 steps: the same bits), and `QMatrix::matmul_reference` within that rounding.
 //!
-//! `vnni.rs`'s GEMM with quads of values for its pairs: activations `[token vector][block]
+//! `vnni.rs`'s GEMM (its `run_on`, `simd::tile::<true>`) with quads of values for its pairs;
+//! this file holds what differs: activations `[token vector][block]
 //! [quad][16 tokens]` dwords (four i8, value `4u` lowest), a panel row's block as 16 dwords of
-//! four codes `4u..4u + 4` in `vnni::Panel`'s 32-dword slots (`fill_rows` places them), 12 rows
+//! four codes `4u..4u + 4` in `vnni::Panel`'s 32-dword slots (`simd::fill`), 12 rows
 //! by two token vectors a register tile, and per block `vnni.rs`'s epilogue
 //! `y = fma(b, Σx, fma(c·d, s, y))`, `c` exact in i32 (|c| ≤ 64 · 15 · 127), with the block's
 //! sum as its codes give it, `Σx = d·Σq` (`quantized_sum` says why). Where a matrix has its
@@ -25,7 +26,7 @@ use crate::engine::cpu::isa::{self, Isa};
 use crate::engine::quant::QMatrix;
 
 /// Dwords of four values a block holds.
-const QUADS: usize = KB / 4;
+pub(super) const QUADS: usize = KB / 4;
 /// The largest activation code: 8 bits with the sign.
 pub(crate) const QMAX8: f32 = 127.0;
 
@@ -147,110 +148,46 @@ pub(crate) fn gemm_portable(w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
     y
 }
 
-/// Lays out the activations (`vnni::prepare`'s tasks on the team or rayon's pool), then splits
-/// the row tiles of every matrix over the threads as `vnni::run_on` does.
+/// `vnni::run_on` with 8-bit codes: the activations laid out by `simd::prepare_vector`, the
+/// panels filled by `simd::fill`, `vnni::simd::tile::<true>` on each.
 #[cfg(target_arch = "x86_64")]
 fn run(ws: &[&QMatrix], x: &[f32], m: usize, ys: &mut [&mut [MaybeUninit<f32>]]) {
-    use super::{check_shapes, prepare_blocks, tile_runs, Acts, Panel, SyncPtr, R, TV};
-    use crate::engine::cpu::team;
-    assert!(Isa::Avx512Vnni.supported());
-    let k = check_shapes(ws, x, m, ys);
-    if m == 0 {
-        return;
-    }
-    let (mt, kbs) = (m.div_ceil(TV), k / KB);
-    let mut a = Acts {
-        q: vec![0; mt * kbs * QUADS * TV],
-        d: vec![0.0; mt * kbs * TV],
-        sx: vec![0.0; mt * kbs * TV],
-        kbs,
-    };
-    let g = prepare_blocks(kbs, mt, TV.min(m));
-    let mut parts: Vec<_> = (a.q.chunks_mut(g * QUADS * TV))
-        .zip(a.d.chunks_mut(g * TV).zip(a.sx.chunks_mut(g * TV)))
-        .enumerate()
-        .collect();
-    team::for_each_mut(&mut parts, |(c, (q, (d, sx)))| {
-        let (j, kb0) = (*c / (kbs / g), *c % (kbs / g) * g);
-        // SAFETY: the CPU has AVX-512 VNNI (asserted above).
-        unsafe { simd::prepare_vector(x, m, k, j, kb0..kb0 + g, q, d, sx) }
-    });
-    let acts = a;
-    let outs: Vec<SyncPtr> = ys
-        .iter_mut()
-        .map(|y| SyncPtr(y.as_mut_ptr().cast()))
-        .collect();
-    let tiles: usize = ws.iter().map(|w| w.rows.div_ceil(R)).sum();
-    let per_task = tiles
-        .div_ceil(rayon::current_num_threads().max(1) * 16)
-        .max(1);
-    let mut tasks = tile_runs(ws, R, per_task);
-    team::for_each_mut(&mut tasks, |&mut (i, t0, t1)| {
-        Panel::with(acts.kbs, |panel| {
-            for tile in t0..t1 {
-                // SAFETY: the CPU has AVX-512 VNNI (asserted above).
-                unsafe { simd::tile(ws[i], &acts, m, tile * R, panel, &outs[i]) }
-            }
-        })
-    });
+    super::run_on(Isa::Avx512Vnni, super::Codes::Quads8, ws, x, m, ys)
 }
 
 #[cfg(target_arch = "x86_64")]
-mod simd {
+pub(super) mod simd {
     use std::arch::x86_64::*;
 
-    use super::super::simd::{fill_from_copy_with, prefetch_next, store};
-    use super::super::{copy_of, fill_rows, Acts, Panel, SyncPtr, KB, PAIRS, R, TV};
+    use super::super::simd::fill_with;
+    use super::super::{Panel, KB, TV};
     use super::{QMAX8, QUADS};
-    use crate::engine::cpu::tile16::ROWS;
     use crate::engine::cpu::vnni::{quantize16_to, transpose16};
     use crate::engine::quant::QMatrix;
 
-    /// Rows `n0..n0 + R` against every token: the panel once, then token vectors two at a time
-    /// (`vnni::simd::tile`, the model's rows only).
+    /// Rows `n0..n0 + R` of `w` into the panel as quads (`vnni::simd::fill_with`: the rows in
+    /// the decode copy's whole tiles from it, the rest from the matrix; zeros past the last row).
     ///
     /// # Safety
-    /// The CPU has AVX-512 F/BW/VL and VNNI.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    pub unsafe fn tile(w: &QMatrix, a: &Acts, m: usize, n0: usize, p: &mut Panel, out: &SyncPtr) {
-        fill(p, w, n0);
-        prefetch_next(w, n0);
-        let mt = m.div_ceil(TV);
-        let mut j = 0;
-        while j + 2 <= mt {
-            let f = vectors::<2>(a, p, j);
-            store(&f, w.rows, m, n0, j, out);
-            j += 2;
-        }
-        if j < mt {
-            let f = vectors::<1>(a, p, j);
-            store(&f, w.rows, m, n0, j, out);
-        }
-    }
-
-    /// Rows `n0..n0 + R` of `w` into the panel as quads (`vnni::simd::fill`: the rows in the
-    /// decode copy's whole tiles from it, the rest from the matrix; zeros past the last row).
+    /// The CPU has AVX-512 F/BW/VL.
     #[inline(always)]
-    unsafe fn fill(p: &mut Panel, w: &QMatrix, n0: usize) {
-        let nr = R.min(w.rows.saturating_sub(n0));
-        let mut from = 0;
-        if let Some(t) = copy_of(w) {
-            while from < nr && (n0 + from) / ROWS < t.tiles {
-                let tile = (n0 + from) / ROWS;
-                let to = ((tile + 1) * ROWS - n0).min(nr);
-                fill_from_copy_with(p, t, tile, n0, from, to, QUADS / 2, |src, dst| {
-                    unpack16(src, dst)
-                });
-                from = to;
-            }
-        }
-        fill_rows(p, w, n0, from, |src, dst| unpack_ptr(src, dst));
+    pub(in crate::engine::cpu::vnni) unsafe fn fill(p: &mut Panel, w: &QMatrix, n0: usize) {
+        fill_with(
+            p,
+            w,
+            n0,
+            QUADS / 2,
+            |s, d| unpack16(s, d),
+            |s, d| unpack_ptr(s, d),
+        );
     }
 
-    /// 16 packed bytes (32 codes) as 8 dwords of code quads (`unpack_ptr`'s first half).
+    /// 16 packed bytes (32 codes, low nibble first) as 8 dwords of code quads in order.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     #[inline]
     unsafe fn unpack16(src: *const u8, dst: *mut i32) {
+        // a byte b to the word b | b << 4, masked to 0x0f0f: its low nibble in the low byte,
+        // its high nibble in the high one
         let b = _mm256_cvtepu8_epi16(_mm_loadu_si128(src as *const _));
         let mask = _mm256_set1_epi16(0x0f0f);
         let v = _mm256_ternarylogic_epi32::<0xA8>(b, _mm256_slli_epi16::<4>(b), mask);
@@ -273,51 +210,8 @@ mod simd {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     #[inline]
     unsafe fn unpack_ptr(src: *const u8, dst: *mut i32) {
-        // a byte b to the word b | b << 4, masked to 0x0f0f: its low nibble in the low byte,
-        // its high nibble in the high one
-        let b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(src as *const _));
-        let mask = _mm512_set1_epi16(0x0f0f);
-        let v = _mm512_ternarylogic_epi32::<0xA8>(b, _mm512_slli_epi16::<4>(b), mask);
-        _mm512_storeu_si512(dst as *mut _, v);
-    }
-
-    /// The panel's rows against token vectors `j..j + T`, every block (`vnni::simd::vectors`
-    /// with `vpdpbusd` on quads).
-    #[inline(always)]
-    unsafe fn vectors<const T: usize>(a: &Acts, p: &Panel, j: usize) -> [[__m512; T]; R] {
-        let kbs = a.kbs;
-        let mut f = [[_mm512_setzero_ps(); T]; R];
-        for kb in 0..kbs {
-            let mut c = [[_mm512_setzero_si512(); T]; R];
-            let wq = p.q.as_ptr().add(kb * R * PAIRS);
-            let xq: [*const i32; T] =
-                std::array::from_fn(|t| a.q.as_ptr().add(((j + t) * kbs + kb) * QUADS * TV));
-            for u in 0..QUADS {
-                let xv: [__m512i; T] =
-                    std::array::from_fn(|t| _mm512_loadu_si512(xq[t].add(u * TV) as *const _));
-                #[allow(clippy::needless_range_loop)]
-                for r in 0..R {
-                    // the codes are the unsigned operand, the activations the signed one
-                    let wv = _mm512_set1_epi32(*wq.add(r * PAIRS + u));
-                    for t in 0..T {
-                        c[r][t] = _mm512_dpbusd_epi32(c[r][t], wv, xv[t]);
-                    }
-                }
-            }
-            let at: [usize; T] = std::array::from_fn(|t| ((j + t) * kbs + kb) * TV);
-            let d: [__m512; T] = std::array::from_fn(|t| _mm512_loadu_ps(a.d.as_ptr().add(at[t])));
-            let sx: [__m512; T] =
-                std::array::from_fn(|t| _mm512_loadu_ps(a.sx.as_ptr().add(at[t])));
-            for r in 0..R {
-                let s = _mm512_set1_ps(*p.s.get_unchecked(kb * R + r));
-                let b = _mm512_set1_ps(*p.b.get_unchecked(kb * R + r));
-                for t in 0..T {
-                    let v = _mm512_mul_ps(_mm512_cvtepi32_ps(c[r][t]), d[t]);
-                    f[r][t] = _mm512_fmadd_ps(b, sx[t], _mm512_fmadd_ps(v, s, f[r][t]));
-                }
-            }
-        }
-        f
+        unpack16(src, dst);
+        unpack16(src.add(16), dst.add(QUADS / 2));
     }
 
     /// `super::prepare_vector` in 16 lanes: each token's block quantized by `quantize16_to`
@@ -328,7 +222,7 @@ mod simd {
     /// The CPU has AVX-512 F/BW/VL.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn prepare_vector(
+    pub(in crate::engine::cpu::vnni) unsafe fn prepare_vector(
         x: &[f32],
         m: usize,
         k: usize,
