@@ -115,13 +115,19 @@ mod simd {
         }};
     }
 
-    /// 16-bit lane `p` of the scale vector takes scale `(p / 8) >> gshift` of the step (four
-    /// blocks of 8 lanes); only odd lanes (the high halves of the f32 lanes) are kept.
+    /// 16-bit lane `p` of the scale vector: odd lanes (the high halves of the f32 lanes) take
+    /// scale `(p / 8) >> gshift` of the step (four blocks of 8 lanes), even ones word 7, which
+    /// the step's masked load of at most four scales leaves zero: one `vpermw` makes the f32
+    /// values (a zero-masked one compiled to `vpermw` and `vpandq`).
     const fn scale_index(gshift: usize) -> [i16; 32] {
         let mut idx = [0i16; 32];
         let mut p = 0;
         while p < 32 {
-            idx[p] = ((p / 8) >> gshift) as i16;
+            idx[p] = if p % 2 == 1 {
+                ((p / 8) >> gshift) as i16
+            } else {
+                7
+            };
             p += 1;
         }
         idx
@@ -204,18 +210,20 @@ mod simd {
             let hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), self.mask);
             // bf16 scales into the high halves of f32 lanes (the low halves zero): f32 values
             let raw = _mm_maskz_loadu_epi16(self.smask, sp.add(b >> G));
-            let ws = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
-                0xAAAA_AAAA,
+            let ws = _mm512_castsi512_ps(_mm512_permutexvar_epi16(
                 self.idx,
-                _mm512_castsi128_si512(raw),
+                _mm512_zextsi128_si512(raw),
             ));
-            let mut s32 = _mm512_dpbusd_epi32(self.zero, lo, x[0]);
-            s32 = _mm512_dpbusd_epi32(s32, hi, x[1]);
-            if SPLIT {
-                let h = _mm512_dpbusd_epi32(self.zero, lo, x[2]);
-                let h = _mm512_dpbusd_epi32(h, hi, x[3]);
-                s32 = _mm512_add_epi32(s32, _mm512_slli_epi32(h, 7));
-            }
+            // with `SPLIT` the low parts' products accumulate onto the high parts' sum times
+            // 128 (the same i32 sum as adding the two, one instruction fewer)
+            let base = match SPLIT {
+                true => {
+                    let h = _mm512_dpbusd_epi32(self.zero, lo, x[2]);
+                    _mm512_slli_epi32(_mm512_dpbusd_epi32(h, hi, x[3]), 7)
+                }
+                false => self.zero,
+            };
+            let s32 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(base, lo, x[0]), hi, x[1]);
             _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32), _mm512_mul_ps(ws, *dxv), acc)
         }
 
