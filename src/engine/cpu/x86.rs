@@ -631,13 +631,15 @@ mod simd {
             } else {
                 _mm256_set_m128(_mm_set1_ps(bf(b + 1)), _mm_set1_ps(bf(b)))
             };
-            let mut s32 = _mm256_dpbusd_avx_epi32(self.zero, lo, x[0]);
-            s32 = _mm256_dpbusd_avx_epi32(s32, hi, x[1]);
-            if SPLIT {
-                let h = _mm256_dpbusd_avx_epi32(self.zero, lo, x[2]);
-                let h = _mm256_dpbusd_avx_epi32(h, hi, x[3]);
-                s32 = _mm256_add_epi32(s32, _mm256_slli_epi32(h, 7));
-            }
+            // as `Step512::block`: the low parts accumulate onto the high parts' sum times 128
+            let base = match SPLIT {
+                true => {
+                    let h = _mm256_dpbusd_avx_epi32(self.zero, lo, x[2]);
+                    _mm256_slli_epi32(_mm256_dpbusd_avx_epi32(h, hi, x[3]), 7)
+                }
+                false => self.zero,
+            };
+            let s32 = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(base, lo, x[0]), hi, x[1]);
             _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(ws, *dxv), acc)
         }
 
