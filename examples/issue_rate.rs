@@ -13,9 +13,13 @@ mod x86 {
     use std::arch::asm;
 
     /// A function running `n` loops of 24 `$op zmmI, zmm30, zmm31`, each on its own
-    /// accumulator.
+    /// accumulator, with `$e0`, `$e1`, `$e2` after the 8th, 16th and 24th (other instructions
+    /// among them, on zmm24-29; empty for none).
     macro_rules! loop24 {
         ($name:ident, $op:literal) => {
+            loop24!($name, $op, "", "", "");
+        };
+        ($name:ident, $op:literal, $e0:literal, $e1:literal, $e2:literal) => {
             #[target_feature(enable = "avx512f,avx512vnni")]
             unsafe fn $name(n: u64) {
                 let mut left = n;
@@ -30,6 +34,7 @@ mod x86 {
                 concat!($op, " zmm5, zmm30, zmm31"),
                 concat!($op, " zmm6, zmm30, zmm31"),
                 concat!($op, " zmm7, zmm30, zmm31"),
+                $e0,
                 concat!($op, " zmm8, zmm30, zmm31"),
                 concat!($op, " zmm9, zmm30, zmm31"),
                 concat!($op, " zmm10, zmm30, zmm31"),
@@ -38,6 +43,7 @@ mod x86 {
                 concat!($op, " zmm13, zmm30, zmm31"),
                 concat!($op, " zmm14, zmm30, zmm31"),
                 concat!($op, " zmm15, zmm30, zmm31"),
+                $e1,
                 concat!($op, " zmm16, zmm30, zmm31"),
                 concat!($op, " zmm17, zmm30, zmm31"),
                 concat!($op, " zmm18, zmm30, zmm31"),
@@ -46,6 +52,7 @@ mod x86 {
                 concat!($op, " zmm21, zmm30, zmm31"),
                 concat!($op, " zmm22, zmm30, zmm31"),
                 concat!($op, " zmm23, zmm30, zmm31"),
+                $e2,
                         "dec {left}",
                         "jnz 2b",
                         left = inout(reg) left,
@@ -53,6 +60,7 @@ mod x86 {
                 out("zmm6") _, out("zmm7") _, out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
                 out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _, out("zmm16") _, out("zmm17") _,
                 out("zmm18") _, out("zmm19") _, out("zmm20") _, out("zmm21") _, out("zmm22") _, out("zmm23") _,
+                out("zmm24") _, out("zmm25") _, out("zmm26") _,
                         options(nostack),
                     );
                 }
@@ -61,44 +69,16 @@ mod x86 {
         };
     }
 
-    /// `loop24!`'s `vpdpwssd` loop with three f32 steps among the 24 (`vcvtdq2ps`, `vmulps`,
-    /// `vfmadd231ps`, on registers of their own): 1 to 8, the share of the prompt GEMM's
-    /// per-block epilogue (four f32 steps an accumulator against 32 `vpdpwssd`).
-    #[target_feature(enable = "avx512f,avx512vnni")]
-    unsafe fn dpwssd_epilogue(n: u64) {
-        let mut left = n;
-        unsafe {
-            asm!(
-                "2:",
-                "vpdpwssd zmm0, zmm30, zmm31", "vpdpwssd zmm1, zmm30, zmm31",
-                "vpdpwssd zmm2, zmm30, zmm31", "vpdpwssd zmm3, zmm30, zmm31",
-                "vpdpwssd zmm4, zmm30, zmm31", "vpdpwssd zmm5, zmm30, zmm31",
-                "vpdpwssd zmm6, zmm30, zmm31", "vpdpwssd zmm7, zmm30, zmm31",
-                "vcvtdq2ps zmm24, zmm29",
-                "vpdpwssd zmm8, zmm30, zmm31", "vpdpwssd zmm9, zmm30, zmm31",
-                "vpdpwssd zmm10, zmm30, zmm31", "vpdpwssd zmm11, zmm30, zmm31",
-                "vpdpwssd zmm12, zmm30, zmm31", "vpdpwssd zmm13, zmm30, zmm31",
-                "vpdpwssd zmm14, zmm30, zmm31", "vpdpwssd zmm15, zmm30, zmm31",
-                "vmulps zmm25, zmm28, zmm29",
-                "vpdpwssd zmm16, zmm30, zmm31", "vpdpwssd zmm17, zmm30, zmm31",
-                "vpdpwssd zmm18, zmm30, zmm31", "vpdpwssd zmm19, zmm30, zmm31",
-                "vpdpwssd zmm20, zmm30, zmm31", "vpdpwssd zmm21, zmm30, zmm31",
-                "vpdpwssd zmm22, zmm30, zmm31", "vpdpwssd zmm23, zmm30, zmm31",
-                "vfmadd231ps zmm26, zmm28, zmm29",
-                "dec {left}",
-                "jnz 2b",
-                left = inout(reg) left,
-                out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _, out("zmm4") _, out("zmm5") _,
-                out("zmm6") _, out("zmm7") _, out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
-                out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _, out("zmm16") _, out("zmm17") _,
-                out("zmm18") _, out("zmm19") _, out("zmm20") _, out("zmm21") _, out("zmm22") _, out("zmm23") _,
-                out("zmm24") _, out("zmm25") _, out("zmm26") _,
-                options(nostack),
-            );
-        }
-        let _ = left;
-    }
-
+    // `vpdpwssd` with three f32 steps among the 24 (on registers of their own): 1 to 8, the
+    // share of the prompt GEMM's per-block epilogue (four f32 steps an accumulator against 32
+    // `vpdpwssd`)
+    loop24!(
+        dpwssd_epilogue,
+        "vpdpwssd",
+        "vcvtdq2ps zmm24, zmm29",
+        "vmulps zmm25, zmm28, zmm29",
+        "vfmadd231ps zmm26, zmm28, zmm29"
+    );
     loop24!(dpwssd_zmm, "vpdpwssd");
     loop24!(dpbusd_zmm, "vpdpbusd");
     loop24!(fma_zmm, "vfmadd231ps");

@@ -860,7 +860,7 @@ mod simd {
     ) -> [[__m512; T]; R] {
         let kbs = a.kbs;
         // dwords of a block: pairs of 15-bit codes, or quads of 8-bit ones
-        let steps = if EIGHT { PAIRS / 2 } else { PAIRS };
+        let steps = if EIGHT { super::int8::QUADS } else { PAIRS };
         let mut f = [[_mm512_setzero_ps(); T]; R];
         for kb in 0..kbs {
             let mut c = [[_mm512_setzero_si512(); T]; R];
