@@ -182,6 +182,11 @@ impl Linear {
             Some(a) => a.take(name, inp, out)?,
             None => None,
         };
+        // `exact` keeps the adapter's f32; the kernels that round activations take f16 copies
+        let lora = lora.map(|b| match opts.kernel {
+            Numerics::Exact => b,
+            Numerics::Fast | Numerics::Int8 => b.halved(),
+        });
         Ok(Linear {
             weight,
             lora,
@@ -302,11 +307,10 @@ impl Linear {
                 _ => return Ahead::default(),
             }
         }
-        let a: Vec<&[f32]> = ls
+        let a = ls
             .iter()
-            .filter_map(|l| l.lora.as_ref()?.host_parts().map(|(a, _, _)| a))
-            .collect();
-        Ahead::before(&a, crate::engine::cpu::quant::decode_lead_in(&ws))
+            .filter_map(|l| l.lora.as_ref()?.host_parts().map(|(a, _, _)| a.range()));
+        Ahead::before_ranges(a, crate::engine::cpu::quant::decode_lead_in(&ws))
     }
 
     /// A decode row through quantized projections some of which carry LoRA branches, both
@@ -379,7 +383,7 @@ impl Linear {
             if let Some((k, b)) = second[i] {
                 let r = firsts[k].0.len() / xs.len();
                 let rows = first..first + outs.len();
-                crate::engine::cpu::team::prefetch(crate::engine::lora::blocks_of(b, r, rows));
+                b.blocks_of(r, rows).prefetch();
             }
         };
         let extra = (!firsts.is_empty()).then_some(crate::engine::cpu::quant::Extra {
@@ -719,7 +723,8 @@ mod tests {
                 .as_ref()
                 .and_then(|l| l.host_parts())
                 .expect("host");
-            assert_eq!(r[0], (ha.as_ptr() as usize, 64 * 8 * 4));
+            assert_eq!(r[0], ha.range());
+            assert_eq!(ha.range().1, 64 * 8 * 4);
             assert_eq!(r[1..3], tasks[..2]);
             assert_eq!(r[3], (0, 0));
         });

@@ -2,7 +2,8 @@
 //! as `mlx_lm lora --train` writes them). Follows `mlx_lm/tuner/lora.py` `LoRALinear`:
 //! `y = base(x) + scale * ((x @ lora_a) @ lora_b)`, `lora_a` [in, r], `lora_b` [r, out], with
 //! `scale = lora_parameters.scale` used as is (mlx_lm does not divide by the rank). The branch
-//! runs in f32 beside the quantized base and is never merged into the 4-bit weights.
+//! computes in f32 beside the quantized base (its CPU copies rounded to f16 for the `fast` and
+//! `int8` kernels: `Half`) and is never merged into the 4-bit weights.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -31,7 +32,103 @@ pub struct LoraBranch {
     /// of [r, out], each a cold start for the hardware prefetcher) and `add_b` works on
     /// `LANES` outputs a vector, where [out, r] rows took a horizontal sum per output (3.2% of
     /// a `--synthetic-lora` pass's cycles, with the branches on half its tokens).
-    host: Option<Arc<(Vec<f32>, Vec<f32>)>>,
+    host: Option<Arc<Copies>>,
+}
+
+/// A branch's host copies (`LoraBranch::host`): f32 as the adapter has them, or rounded to
+/// f16 (`LoraBranch::halved`) for the kernels that round their activations anyway.
+#[derive(Debug)]
+enum Copies {
+    F32 { a: Vec<f32>, bb: Vec<f32> },
+    F16 { a: Vec<Half>, bb: Vec<Half> },
+}
+
+/// A value of a branch's host copies: an f32, or a `Half`.
+pub trait Elem: Copy + Send + Sync {
+    fn widen(self) -> f32;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+/// An IEEE half-precision value by its bits, finite (`Half::narrow` makes no other). A decode
+/// step streams its branches' copies from memory beside the weights, and past rank 8 the
+/// branches' cost follows their bytes (`--synthetic-lora` on the 0.6B shape, 2 threads, Zen 4,
+/// decode time with f32 copies: +2.2% at rank 1, ~8% at 8, ~15% at 16, ~20-24% at 32; with
+/// f16 ones ~8%, ~14%, ~15%). f16 rounds to 11 significant bits, where `fast` rounds the
+/// activations to 15 and keeps its cache in f16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(transparent)]
+pub struct Half(u16);
+
+impl Half {
+    /// `v` rounded to the nearest f16 (ties to even); `None` where that is not finite.
+    pub fn narrow(v: f32) -> Option<Half> {
+        let h = half::f16::from_f32(v);
+        h.is_finite().then_some(Half(h.to_bits()))
+    }
+}
+
+impl Elem for Half {
+    /// Exactly `half::f16::to_f32` for a finite value, in integer operations and one exact
+    /// multiply (no per-value check for F16C, as `half` has off such builds): the loops over
+    /// the copies can vectorize on any instruction set.
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        let h = self.0 as u32;
+        // the magnitude's bits in f32's places read as 2^-112 times the value (subnormals
+        // included); f32's exponent bias is f16's plus 112
+        let magnitude = f32::from_bits((h & 0x7fff) << 13) * f32::from_bits(0x7780_0000);
+        f32::from_bits(magnitude.to_bits() | (h & 0x8000) << 16)
+    }
+}
+
+/// A branch's host copy of `a` [in, r] or of `b` in blocks (`block_b`), in the type kept.
+#[derive(Debug, Clone, Copy)]
+pub enum Stored<'a> {
+    F32(&'a [f32]),
+    F16(&'a [Half]),
+}
+
+impl<'a> Stored<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            Stored::F32(v) => v.len(),
+            Stored::F16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// (address, bytes) of the copy: for read-ahead hints.
+    pub fn range(&self) -> (usize, usize) {
+        match self {
+            Stored::F32(v) => (v.as_ptr() as usize, std::mem::size_of_val(*v)),
+            Stored::F16(v) => (v.as_ptr() as usize, std::mem::size_of_val(*v)),
+        }
+    }
+
+    /// The blocks of `b` (this copy, rank `r`) that hold outputs `rows`.
+    pub fn blocks_of(self, r: usize, rows: std::ops::Range<usize>) -> Stored<'a> {
+        match self {
+            Stored::F32(v) => Stored::F32(blocks_of(v, r, rows)),
+            Stored::F16(v) => Stored::F16(blocks_of(v, r, rows)),
+        }
+    }
+
+    /// Every cache line of the copy into L2 (`team::prefetch`).
+    pub fn prefetch(&self) {
+        match self {
+            Stored::F32(v) => crate::engine::cpu::team::prefetch(v),
+            Stored::F16(v) => crate::engine::cpu::team::prefetch(v),
+        }
+    }
 }
 
 /// Up to this many rows (decode, short chunks) the branch runs on the calling thread (and a
@@ -45,11 +142,31 @@ impl LoraBranch {
         let host = if a.device().is_cpu() {
             let flat = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
             let (r, out) = b.dims2()?;
-            Some(Arc::new((flat(&a)?, block_b(&flat(&b)?, r, out))))
+            Some(Arc::new(Copies::F32 {
+                a: flat(&a)?,
+                bb: block_b(&flat(&b)?, r, out),
+            }))
         } else {
             None
         };
         Ok(LoraBranch { a, b, scale, host })
+    }
+
+    /// The branch with its host copies rounded to f16 (the `fast` and `int8` kernels, whose
+    /// activations are rounded already: `Half`), where every value stays finite; as it was
+    /// otherwise (no host copies, or a value past f16's range: then f32, as loaded).
+    pub fn halved(mut self) -> Self {
+        if let Some(Copies::F32 { a, bb }) = self.host.as_deref() {
+            let narrow = |v: &[f32]| {
+                v.iter()
+                    .map(|&x| Half::narrow(x))
+                    .collect::<Option<Vec<_>>>()
+            };
+            if let (Some(a), Some(bb)) = (narrow(a), narrow(bb)) {
+                self.host = Some(Arc::new(Copies::F16 { a, bb }));
+            }
+        }
+        self
     }
 
     /// `scale * ((x @ a) @ b)` for `x` (L, in).
@@ -74,7 +191,10 @@ impl LoraBranch {
         if x.is_empty() || out == 0 {
             return true; // no rows, or nothing to add to
         }
-        let (a, bb, scale) = (&h.0, &h.1, self.scale as f32);
+        let (a, bb, scale) = match h.as_ref() {
+            Copies::F32 { a, bb } => (Stored::F32(a), Stored::F32(bb), self.scale as f32),
+            Copies::F16 { a, bb } => (Stored::F16(a), Stored::F16(bb), self.scale as f32),
+        };
         if x.len() / inp <= HOST_MAX_ROWS {
             add_host(a, bb, scale, x, inp, y);
         } else {
@@ -89,10 +209,12 @@ impl LoraBranch {
 
     /// The host copies of `a` [in, r] (row-major) and of `b` in blocks (`block_b`), with the
     /// scale, where the branch has them (the CPU).
-    pub fn host_parts(&self) -> Option<(&[f32], &[f32], f32)> {
-        self.host
-            .as_ref()
-            .map(|h| (h.0.as_slice(), h.1.as_slice(), self.scale as f32))
+    pub fn host_parts(&self) -> Option<(Stored<'_>, Stored<'_>, f32)> {
+        let scale = self.scale as f32;
+        self.host.as_deref().map(|h| match h {
+            Copies::F32 { a, bb } => (Stored::F32(a), Stored::F32(bb), scale),
+            Copies::F16 { a, bb } => (Stored::F16(a), Stored::F16(bb), scale),
+        })
     }
 
     /// `y + scale * ((x @ a) @ b)`: on the CPU by `add_rows`, else with candle ops.
@@ -130,14 +252,14 @@ pub fn blocked_len(r: usize, out: usize) -> usize {
 }
 
 /// The blocks of `bb` (`block_b`, rank `r`) that hold outputs `rows`.
-pub fn blocks_of(bb: &[f32], r: usize, rows: std::ops::Range<usize>) -> &[f32] {
+pub fn blocks_of<E>(bb: &[E], r: usize, rows: std::ops::Range<usize>) -> &[E] {
     let end = (rows.end.div_ceil(LANES) * r * LANES).min(bb.len());
     &bb[((rows.start / LANES) * r * LANES).min(end)..end]
 }
 
 /// `y[i] += scale * Σ_j (Σ_k x[i][k] a[k][j]) b[j]` for every row i of `x` (`inp` wide);
 /// `a` is [inp, r], `bb` is `b` in blocks (`block_b`).
-pub fn add_host(a: &[f32], bb: &[f32], scale: f32, x: &[f32], inp: usize, y: &mut [f32]) {
+pub fn add_host(a: Stored, bb: Stored, scale: f32, x: &[f32], inp: usize, y: &mut [f32]) {
     let out = y.len() / (x.len() / inp.max(1)).max(1);
     for (xi, yi) in x.chunks_exact(inp).zip(y.chunks_exact_mut(out)) {
         let c = project_a(a, scale, xi);
@@ -155,7 +277,7 @@ pub const PIECE: usize = 1024;
 
 /// `scale * (x @ a)` for one row `x` (`a` [x.len(), r]): the rank-r vector the second half
 /// (`add_b`) spreads over the outputs.
-pub fn project_a(a: &[f32], scale: f32, x: &[f32]) -> Vec<f32> {
+pub fn project_a(a: Stored, scale: f32, x: &[f32]) -> Vec<f32> {
     // one thread's `FirstHalves`: the bits a team's pieces give
     let Some(h) = FirstHalves::new(x, &[(a, scale)]) else {
         return vec![0f32; a.len() / x.len().max(1)];
@@ -166,7 +288,14 @@ pub fn project_a(a: &[f32], scale: f32, x: &[f32]) -> Vec<f32> {
 
 /// `Σ_k x[k] a[k]` over the inputs `k` of piece `p` (`PIECE` of them, fewer in the last),
 /// into `out` (r values).
-pub fn project_piece(a: &[f32], x: &[f32], p: usize, out: &mut [f32]) {
+pub fn project_piece(a: Stored, x: &[f32], p: usize, out: &mut [f32]) {
+    match a {
+        Stored::F32(a) => project_piece_of(a, x, p, out),
+        Stored::F16(a) => project_piece_of(a, x, p, out),
+    }
+}
+
+fn project_piece_of<E: Elem>(a: &[E], x: &[f32], p: usize, out: &mut [f32]) {
     let r = out.len();
     let k = (p * PIECE).min(x.len())..((p + 1) * PIECE).min(x.len());
     let (a, x) = (&a[k.start * r..k.end * r], &x[k]);
@@ -186,7 +315,7 @@ pub fn project_piece(a: &[f32], x: &[f32], p: usize, out: &mut [f32]) {
 pub struct FirstHalves<'a> {
     x: &'a [f32],
     /// Each branch's `a` [x.len(), r], scale, and where its r values start in a piece's row.
-    branches: Vec<(&'a [f32], f32, usize)>,
+    branches: Vec<(Stored<'a>, f32, usize)>,
     /// Σ r over the branches: one piece's row of `sums`.
     width: usize,
     sums: Vec<AtomicU32>,
@@ -195,7 +324,7 @@ pub struct FirstHalves<'a> {
 impl<'a> FirstHalves<'a> {
     /// For `x` and each branch's `a` [x.len(), r] and scale; `None` where an `a` does not
     /// have a whole number of rows of `x.len()` values.
-    pub fn new(x: &'a [f32], branches: &[(&'a [f32], f32)]) -> Option<Self> {
+    pub fn new(x: &'a [f32], branches: &[(Stored<'a>, f32)]) -> Option<Self> {
         let mut width = 0;
         let mut bs = Vec::with_capacity(branches.len());
         for &(a, scale) in branches {
@@ -251,7 +380,14 @@ impl<'a> FirstHalves<'a> {
 /// `y[n - first] += Σ_j c[j] b[j][n]` for the outputs `first..first + y.len()` (`bb`: `b` in
 /// blocks, `block_b`): one task's rows of a projection, each output as `add_host` computes it
 /// for the whole row, so the result does not depend on how rows are split.
-pub fn add_b(bb: &[f32], c: &[f32], first: usize, y: &mut [f32]) {
+pub fn add_b(bb: Stored, c: &[f32], first: usize, y: &mut [f32]) {
+    match bb {
+        Stored::F32(bb) => add_b_of(bb, c, first, y),
+        Stored::F16(bb) => add_b_of(bb, c, first, y),
+    }
+}
+
+fn add_b_of<E: Elem>(bb: &[E], c: &[f32], first: usize, y: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if crate::engine::cpu::isa::active().avx2() {
         // SAFETY: as above.
@@ -263,13 +399,13 @@ pub fn add_b(bb: &[f32], c: &[f32], first: usize, y: &mut [f32]) {
 /// The same loops compiled for AVX2 + FMA (the default build targets baseline x86-64).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn project_piece_avx2(a: &[f32], x: &[f32], out: &mut [f32]) {
+unsafe fn project_piece_avx2<E: Elem>(a: &[E], x: &[f32], out: &mut [f32]) {
     project_piece_body(a, x, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn add_b_avx2(bb: &[f32], c: &[f32], first: usize, y: &mut [f32]) {
+unsafe fn add_b_avx2<E: Elem>(bb: &[E], c: &[f32], first: usize, y: &mut [f32]) {
     add_b_body(bb, c, first, y)
 }
 
@@ -278,7 +414,7 @@ unsafe fn add_b_avx2(bb: &[f32], c: &[f32], first: usize, y: &mut [f32]) {
 /// decode step was a ~0.7M-cycle chain on the 0.6B shape with 16 adapted layers). Rank 8, the
 /// common one, on arrays so the chains stay in registers.
 #[inline(always)]
-fn project_piece_body(a: &[f32], x: &[f32], out: &mut [f32]) {
+fn project_piece_body<E: Elem>(a: &[E], x: &[f32], out: &mut [f32]) {
     if out.len() == 8 {
         return chains(a, x, [[0f32; 8]; 4], out);
     }
@@ -292,7 +428,12 @@ fn project_piece_body(a: &[f32], x: &[f32], out: &mut [f32]) {
 
 /// `project_piece_body`'s four chains, in fixed-size rows (rank 8) or heap ones (any rank).
 #[inline(always)]
-fn chains<T: AsMut<[f32]> + AsRef<[f32]>>(a: &[f32], x: &[f32], mut t: [T; 4], out: &mut [f32]) {
+fn chains<E: Elem, T: AsMut<[f32]> + AsRef<[f32]>>(
+    a: &[E],
+    x: &[f32],
+    mut t: [T; 4],
+    out: &mut [f32],
+) {
     let mut rows = x.iter().zip(a.chunks_exact(out.len().max(1)));
     'rows: loop {
         for tc in t.iter_mut() {
@@ -300,7 +441,7 @@ fn chains<T: AsMut<[f32]> + AsRef<[f32]>>(a: &[f32], x: &[f32], mut t: [T; 4], o
                 break 'rows;
             };
             for (tj, &aj) in tc.as_mut().iter_mut().zip(ar) {
-                *tj += xv * aj;
+                *tj += xv * aj.widen();
             }
         }
     }
@@ -315,14 +456,14 @@ fn chains<T: AsMut<[f32]> + AsRef<[f32]>>(a: &[f32], x: &[f32], mut t: [T; 4], o
 /// the ends, in the same order per output either way. Rank 8, the common one, sums its
 /// products as a tree; other ranks in order.
 #[inline(always)]
-fn add_b_body(bb: &[f32], c: &[f32], first: usize, y: &mut [f32]) {
+fn add_b_body<E: Elem>(bb: &[E], c: &[f32], first: usize, y: &mut [f32]) {
     let r = c.len();
     if r == 0 {
         return; // a rank-0 branch adds nothing
     }
     let one = |n: usize| -> f32 {
         let base = (n / LANES) * r * LANES + n % LANES;
-        let b = |j: usize| bb[base + j * LANES];
+        let b = |j: usize| bb[base + j * LANES].widen();
         if r == 8 {
             let mut p = [0f32; 8];
             for (j, pj) in p.iter_mut().enumerate() {
@@ -347,7 +488,7 @@ fn add_b_body(bb: &[f32], c: &[f32], first: usize, y: &mut [f32]) {
             let mut p = [[0f32; LANES]; 8];
             for ((pj, run), &cj) in p.iter_mut().zip(blk.chunks_exact(LANES)).zip(c) {
                 for (pl, &bl) in pj.iter_mut().zip(run) {
-                    *pl = cj * bl;
+                    *pl = cj * bl.widen();
                 }
             }
             for (l, v) in yv.iter_mut().enumerate() {
@@ -361,7 +502,7 @@ fn add_b_body(bb: &[f32], c: &[f32], first: usize, y: &mut [f32]) {
         let mut s = [0f32; LANES];
         for (&cj, run) in c.iter().zip(blk.chunks_exact(LANES)) {
             for (sl, &bl) in s.iter_mut().zip(run) {
-                *sl += cj * bl;
+                *sl += cj * bl.widen();
             }
         }
         for (v, sl) in yv.iter_mut().zip(s) {
@@ -581,7 +722,7 @@ mod tests {
             };
             let (a, b, x, y0) = (v(inp * r), v(r * out), v(inp), v(out));
             let bb = block_b(&b, r, out);
-            let c = project_a(&a, 3.0, &x);
+            let c = project_a(Stored::F32(&a), 3.0, &x);
             let mut naive = vec![0f32; r];
             for (k, &xv) in x.iter().enumerate() {
                 for j in 0..r {
@@ -593,7 +734,7 @@ mod tests {
                 assert!((got - want * 3.0).abs() <= bound, "{got} vs {}", want * 3.0);
             }
             let mut whole = y0.clone();
-            add_b(&bb, &c, 0, &mut whole);
+            add_b(Stored::F32(&bb), &c, 0, &mut whole);
             for (n, (&got, &y)) in whole.iter().zip(&y0).enumerate() {
                 let want: f32 = (0..r).map(|j| c[j] * b[j * out + n]).sum();
                 assert!(
@@ -604,7 +745,7 @@ mod tests {
             let mut pieces = y0.clone();
             let mut first = 0;
             for chunk in pieces.chunks_mut(piece) {
-                add_b(&bb, &c, first, chunk);
+                add_b(Stored::F32(&bb), &c, first, chunk);
                 first += chunk.len();
             }
             assert_eq!(whole, pieces, "inp {inp} r {r} out {out}");
@@ -626,17 +767,18 @@ mod tests {
                     .collect::<Vec<_>>()
             };
             let (x, a8, a3) = (v(inp), v(inp * 8), v(inp * 3));
-            let halves = FirstHalves::new(&x, &[(&a8, 2.5), (&a3, -0.5)]).expect("halves");
+            let (a8, a3) = (Stored::F32(&a8), Stored::F32(&a3));
+            let halves = FirstHalves::new(&x, &[(a8, 2.5), (a3, -0.5)]).expect("halves");
             assert_eq!(halves.pieces(), inp.div_ceil(PIECE));
             (0..halves.pieces())
                 .into_par_iter()
                 .rev()
                 .for_each(|p| halves.piece(p));
-            assert_eq!(halves.first_half(0), project_a(&a8, 2.5, &x), "inp {inp}");
-            assert_eq!(halves.first_half(1), project_a(&a3, -0.5, &x), "inp {inp}");
+            assert_eq!(halves.first_half(0), project_a(a8, 2.5, &x), "inp {inp}");
+            assert_eq!(halves.first_half(1), project_a(a3, -0.5, &x), "inp {inp}");
             assert!(halves.first_half(0).iter().any(|&c| c != 0.0));
         }
-        assert!(FirstHalves::new(&[1.0; 10], &[(&[0.0; 25], 1.0)]).is_none());
+        assert!(FirstHalves::new(&[1.0; 10], &[(Stored::F32(&[0.0; 25]), 1.0)]).is_none());
     }
 
     /// A rank-0 branch adds nothing, and no rows is nothing to do: neither panics (the
@@ -715,5 +857,94 @@ mod tests {
                 "a y of the wrong size is refused"
             );
         }
+    }
+
+    /// `Half::widen` is `half`'s conversion, bit for bit, on every finite f16; `narrow`
+    /// rounds to nearest and refuses what f16 cannot hold.
+    #[test]
+    fn half_widens_every_finite_value_exactly() {
+        let mut finite = 0;
+        for bits in 0..=u16::MAX {
+            let h = half::f16::from_bits(bits);
+            if !h.is_finite() {
+                continue;
+            }
+            finite += 1;
+            assert_eq!(
+                Half(bits).widen().to_bits(),
+                h.to_f32().to_bits(),
+                "{bits:#06x}"
+            );
+        }
+        assert_eq!(finite, 65536 - 2 * 1024);
+        assert_eq!(Half::narrow(1.0 + 1e-4).map(Elem::widen), Some(1.0));
+        assert_eq!(
+            Half::narrow(-3.0e-6).map(Elem::widen),
+            Some(half::f16::from_f32(-3.0e-6).to_f32())
+        );
+        assert_eq!(Half::narrow(65504.0).map(Elem::widen), Some(65504.0));
+        assert!(Half::narrow(70000.0).is_none() && Half::narrow(f32::NAN).is_none());
+    }
+
+    /// A halved branch computes as the f32 branch of its values rounded to f16, bit for bit,
+    /// in both halves and on a prompt's rows (threads) as a decode row's; its copies are half
+    /// the bytes; a value past f16's range keeps the branch in f32.
+    #[test]
+    fn halved_branch_is_the_f32_branch_of_rounded_values() {
+        let dev = Device::Cpu;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+        let (l, inp, r, out) = (9, 1300, 8, 70);
+        let mut v = |n: usize, s: f32| (0..n).map(|_| rng.random_range(-s..s)).collect::<Vec<_>>();
+        let (a, b, x, y) = (
+            v(inp * r, 0.03),
+            v(r * out, 0.01),
+            v(l * inp, 4.0),
+            v(l * out, 1.0),
+        );
+        let round = |v: &[f32]| -> Vec<f32> {
+            v.iter()
+                .map(|&x| Half::narrow(x).expect("finite").widen())
+                .collect()
+        };
+        let t = |v: &[f32], d: (usize, usize)| Tensor::from_vec(v.to_vec(), d, &dev).unwrap();
+        let half = LoraBranch::new(t(&a, (inp, r)), t(&b, (r, out)), 20.0)
+            .unwrap()
+            .halved();
+        let rounded =
+            LoraBranch::new(t(&round(&a), (inp, r)), t(&round(&b), (r, out)), 20.0).unwrap();
+        let full = LoraBranch::new(t(&a, (inp, r)), t(&b, (r, out)), 20.0).unwrap();
+        let (ha, hb, _) = half.host_parts().unwrap();
+        let (fa, fb, _) = full.host_parts().unwrap();
+        assert!(matches!((ha, hb), (Stored::F16(_), Stored::F16(_))));
+        assert_eq!(
+            (2 * ha.range().1, 2 * hb.range().1),
+            (fa.range().1, fb.range().1)
+        );
+        let (mut yh, mut yr, mut yf) = (y.clone(), y.clone(), y.clone());
+        assert!(
+            half.add_rows(&x, &mut yh)
+                && rounded.add_rows(&x, &mut yr)
+                && full.add_rows(&x, &mut yf)
+        );
+        assert_eq!(yh, yr, "the f16 copies are the rounded values");
+        // one row alone, as a decode step adds it
+        let mut y0 = y[..out].to_vec();
+        add_host(ha, hb, 20.0, &x[..inp], inp, &mut y0);
+        assert_eq!(y0, yh[..out]);
+        // and close to the adapter's own f32: the largest change a fraction of the largest
+        // output the branch adds (f16 keeps 11 significant bits: 2^-12 relative a value)
+        let most = |d: &mut dyn Iterator<Item = f32>| d.fold(0f32, f32::max);
+        let change = most(&mut yh.iter().zip(&yf).map(|(h, f)| (h - f).abs()));
+        let added = most(&mut yf.iter().zip(&y).map(|(f, y0)| (f - y0).abs()));
+        assert!(change > 0.0 && change < 2e-3 * added, "{change} of {added}");
+        let mut big = b.clone();
+        big[5] = 1e5;
+        let kept = LoraBranch::new(t(&a, (inp, r)), t(&big, (r, out)), 20.0)
+            .unwrap()
+            .halved();
+        assert!(matches!(
+            kept.host_parts(),
+            Some((Stored::F32(_), Stored::F32(_), _))
+        ));
     }
 }

@@ -69,12 +69,17 @@ impl Ahead {
     /// `rest`'s ranges after the first `AHEAD_BYTES` (at most) of each of `first` (helpers
     /// read every range a step at a time, in this order), as many as `RANGES` allows.
     pub fn before<T>(first: &[&[T]], rest: Ahead) -> Self {
-        let firsts = first.iter().map(|s| {
-            (
-                s.as_ptr() as usize,
-                std::mem::size_of_val(*s).min(AHEAD_BYTES),
-            )
-        });
+        let firsts = first
+            .iter()
+            .map(|s| (s.as_ptr() as usize, std::mem::size_of_val(*s)));
+        Self::before_ranges(firsts, rest)
+    }
+
+    /// `before` with the first ranges as (address, bytes).
+    pub fn before_ranges(first: impl IntoIterator<Item = (usize, usize)>, rest: Ahead) -> Self {
+        let firsts = first
+            .into_iter()
+            .map(|(addr, len)| (addr, len.min(AHEAD_BYTES)));
         let rests = rest.ranges.into_iter().filter(|&(_, len)| len > 0);
         let mut a = Ahead::default();
         for (r, v) in a.ranges.iter_mut().zip(firsts.chain(rests)) {

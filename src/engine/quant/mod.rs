@@ -351,11 +351,11 @@ pub enum Numerics {
     Exact,
     /// 15-bit integer activations per 32 values, integer dot products (4-bit weights; AVX2 on
     /// the CPU, dp2a on CUDA; other cases compute as `exact`), fp16 prompt tiles on CUDA, the
-    /// CPU's KV cache in f16
+    /// CPU's KV cache and LoRA copies in f16
     Fast,
     /// 8-bit integer activations (4-bit weights, CPU; prompts of 8 tokens or more with
     /// `vpdpbusd` on AVX-512 VNNI without AMX, other such prompts as `fast`), the CPU's KV
-    /// cache in f16: fastest, least exact
+    /// cache and LoRA copies in f16: fastest, least exact
     Int8,
 }
 
