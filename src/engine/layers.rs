@@ -614,9 +614,10 @@ mod tests {
     use crate::engine::weights::Dtype;
 
     /// A decode row through q|k|v-like projections sharing their input, two with LoRA
-    /// branches (ranks 8 and 3, an input of three `lora::PIECE`s, row counts that cut the
-    /// branches' blocks of `b` mid-block): on a team (both halves of each branch inside the
-    /// region) and on rayon, the bits of the matmul alone plus `lora::add_host`.
+    /// branches (ranks 8 and 3, copies in f32 and in f16, an input of three `lora::PIECE`s,
+    /// row counts that cut the branches' blocks of `b` mid-block): on a team (both halves of
+    /// each branch inside the region) and on rayon, the bits of the matmul alone plus
+    /// `lora::add_host`.
     #[test]
     fn lora_in_the_region_gives_the_serial_bits() {
         use rand::{Rng, SeedableRng};
@@ -635,7 +636,13 @@ mod tests {
             let lora = r.map(|r| {
                 let a = Tensor::from_vec(v(cols * r), (cols, r), &Device::Cpu).expect("a");
                 let b = Tensor::from_vec(v(r * n), (r, n), &Device::Cpu).expect("b");
-                LoraBranch::new(a, b, 4.0).expect("branch")
+                let branch = LoraBranch::new(a, b, 4.0).expect("branch");
+                // one branch's copies in f32, the other's in f16 (`fast`'s): one region
+                if r == 3 {
+                    branch.halved()
+                } else {
+                    branch
+                }
             });
             ls.push(Linear {
                 weight: Weight::Quant(w),
@@ -644,6 +651,14 @@ mod tests {
                 part: Part::Projections,
             });
         }
+        assert!(matches!(
+            ls[2].lora.as_ref().and_then(|b| b.host_parts()),
+            Some((
+                crate::engine::lora::Stored::F16(_),
+                crate::engine::lora::Stored::F16(_),
+                _
+            ))
+        ));
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(2)
             .build()
