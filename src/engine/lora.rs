@@ -183,7 +183,8 @@ impl LoraBranch {
     /// step's or a prompt's. (A prompt's rows went through candle's matmuls before: 14.7% of
     /// a 64-token `--synthetic-lora` prefill at the 0.6B shape, 2 threads, Zen 5.)
     pub fn add_rows(&self, x: &[f32], y: &mut [f32]) -> bool {
-        let (Some(h), Ok((inp, _)), Ok((_, out))) = (&self.host, self.a.dims2(), self.b.dims2())
+        let (Some((a, bb, scale)), Ok((inp, _)), Ok((_, out))) =
+            (self.host_parts(), self.a.dims2(), self.b.dims2())
         else {
             return false;
         };
@@ -193,10 +194,6 @@ impl LoraBranch {
         if x.is_empty() || out == 0 {
             return true; // no rows, or nothing to add to
         }
-        let (a, bb, scale) = match h.as_ref() {
-            Copies::F32 { a, bb } => (Stored::F32(a), Stored::F32(bb), self.scale as f32),
-            Copies::F16 { a, bb } => (Stored::F16(a), Stored::F16(bb), self.scale as f32),
-        };
         if x.len() / inp <= HOST_MAX_ROWS {
             add_host(a, bb, scale, x, inp, y);
         } else {
