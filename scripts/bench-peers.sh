@@ -40,40 +40,36 @@ READ_RATE=${READ_RATE:-target/release/examples/read_rate}
 if [ ! -x "$READ_RATE" ] && command -v cargo >/dev/null; then
   cargo build --release --example read_rate >&2
 fi
-# LB, GGUF_PY, PY and MAKE_GGUF may name a llama-bench, gguf-py, a Python with numpy and
-# make_random_gguf.py built elsewhere (a machine without ../shared, e.g. the GPU machine's CPU)
+PEERS_HOME=${PEERS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/bot-peers}
+# PEER_ISA: llama-bench built for that instruction set alone (GGML_NATIVE off, the set held)
 PEER_ISA=${PEER_ISA:-native}
-# llama-bench for PEER_ISA's instruction set alone (the flags GGML_NATIVE would pick, held there)
-build_for_isa() {
-  local src=$1 b=$1/build-$PEER_ISA
-  local flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
-    -DGGML_AVX_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
-  case "$PEER_ISA" in
-    avx2) flags+=(-DGGML_AVX512=OFF) ;;
-    avx512-vnni) flags+=(-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON) ;;
-  esac
-  if [ ! -x "$b/bin/llama-bench" ]; then
-    local venv=${PEERS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/bot-peers}/venv/bin
-    [ ! -d "$venv" ] || PATH=$venv:$PATH
-    cmake -S "$src" -B "$b" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=OFF \
-      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "${flags[@]}" >&2
-    cmake --build "$b" --target llama-bench -j"${JOBS:-$(nproc)}" >&2
-  fi
-  echo "$b/bin/llama-bench"
-}
+held=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+  -DGGML_AVX_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
 case "$PEER_ISA" in
-  native) ;;
-  avx2|avx512-vnni)
-    export BOT_CPU_ISA=$PEER_ISA
-    if [ -z "${LB:-}" ]; then
-      LLAMA_SRC=${LLAMA_SRC:-$(dirname "$(bash "$PEERS/build-llama-cpp.sh" gguf-py)")}
-      LB=$(build_for_isa "$LLAMA_SRC")
-    fi ;;
+  native) held=() ;;
+  avx2) held+=(-DGGML_AVX512=OFF) ;;
+  avx512-vnni) held+=(-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON) ;;
   *) echo "bench-peers: PEER_ISA=$PEER_ISA: expected native, avx2 or avx512-vnni" >&2; exit 2 ;;
 esac
+if [ ${#held[@]} -gt 0 ]; then
+  export BOT_CPU_ISA=$PEER_ISA
+  if [ -z "${LB:-}" ]; then
+    LLAMA_SRC=${LLAMA_SRC:-$(dirname "$(bash "$PEERS/build-llama-cpp.sh" gguf-py)")}
+    b=$LLAMA_SRC/build-$PEER_ISA
+    if [ ! -x "$b/bin/llama-bench" ]; then
+      [ ! -d "$PEERS_HOME/venv/bin" ] || PATH=$PEERS_HOME/venv/bin:$PATH
+      cmake -S "$LLAMA_SRC" -B "$b" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "${held[@]}" >&2
+      cmake --build "$b" --target llama-bench -j"${JOBS:-$(nproc)}" >&2
+    fi
+    LB=$b/bin/llama-bench
+  fi
+fi
+# LB, GGUF_PY, PY and MAKE_GGUF may name a llama-bench, gguf-py, a Python with numpy and
+# make_random_gguf.py built elsewhere (a machine without ../shared, e.g. the GPU machine's CPU)
 LB=${LB:-$(bash "$PEERS/build-llama-cpp.sh" cpu)}
 GGUF_PY=${GGUF_PY:-$(bash "$PEERS/build-llama-cpp.sh" gguf-py)}
-PY=${PY:-${PEERS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/bot-peers}/venv/bin/python}
+PY=${PY:-$PEERS_HOME/venv/bin/python}
 MAKE_GGUF=${MAKE_GGUF:-$PEERS/make_random_gguf.py}
 echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//') ($(nproc) cores; $("$BOT" doctor 2>/dev/null | grep '^cpu kernels' || true))"
 echo "threads $THREADS; bot kernel ${KERNEL:-default}; instruction set $PEER_ISA; llama-bench: $LB"
