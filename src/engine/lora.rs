@@ -290,13 +290,43 @@ pub fn project_a(a: Stored, scale: f32, x: &[f32]) -> Vec<f32> {
 pub fn project_piece(a: Stored, x: &[f32], p: usize, out: &mut [f32]) {
     match a {
         Stored::F32(a) => project_piece_of(a, x, p, out),
-        Stored::F16(a) => project_piece_of(a, x, p, out),
+        Stored::F16(a) => {
+            #[cfg(target_arch = "x86_64")]
+            if let Ok(out8) = <&mut [f32; 8]>::try_from(&mut *out) {
+                if crate::engine::cpu::lora_f16c::usable() {
+                    let k = piece_range(x.len(), p);
+                    // SAFETY: `usable` checked AVX2 and F16C.
+                    return unsafe {
+                        crate::engine::cpu::lora_f16c::project8(
+                            &a[k.start * 8..k.end * 8],
+                            &x[k],
+                            out8,
+                        )
+                    };
+                }
+            }
+            project_piece_of(a, x, p, out)
+        }
     }
+}
+
+/// The inputs of piece `p` of an input `len` long.
+fn piece_range(len: usize, p: usize) -> std::ops::Range<usize> {
+    (p * PIECE).min(len)..((p + 1) * PIECE).min(len)
+}
+
+/// `project_piece` of f32 copies in the portable loop whatever the instruction set: the
+/// slow reference of `cpu::lora_f16c`.
+#[cfg(test)]
+pub(crate) fn project_piece_portable(a: &[f32], x: &[f32], p: usize, out: &mut [f32]) {
+    let r = out.len();
+    let k = piece_range(x.len(), p);
+    project_piece_body(&a[k.start * r..k.end * r], &x[k], out)
 }
 
 fn project_piece_of<E: Elem>(a: &[E], x: &[f32], p: usize, out: &mut [f32]) {
     let r = out.len();
-    let k = (p * PIECE).min(x.len())..((p + 1) * PIECE).min(x.len());
+    let k = piece_range(x.len(), p);
     let (a, x) = (&a[k.start * r..k.end * r], &x[k]);
     #[cfg(target_arch = "x86_64")]
     if crate::engine::cpu::isa::active().avx2() {
@@ -382,8 +412,35 @@ impl<'a> FirstHalves<'a> {
 pub fn add_b(bb: Stored, c: &[f32], first: usize, y: &mut [f32]) {
     match bb {
         Stored::F32(bb) => add_b_of(bb, c, first, y),
-        Stored::F16(bb) => add_b_of(bb, c, first, y),
+        Stored::F16(bb) => {
+            #[cfg(target_arch = "x86_64")]
+            if let Ok(c8) = <&[f32; 8]>::try_from(c) {
+                if crate::engine::cpu::lora_f16c::usable() {
+                    // the ends short of a whole block as before, the whole blocks converted
+                    // by F16C (the same bits per output either way)
+                    let end = first + y.len();
+                    let lo = first.next_multiple_of(LANES).min(end);
+                    let hi = lo + (end - lo) / LANES * LANES;
+                    let (head, rest) = y.split_at_mut(lo - first);
+                    let (mid, tail) = rest.split_at_mut(hi - lo);
+                    add_b_of(bb, c, first, head);
+                    let blocks = &bb[lo / LANES * 8 * LANES..hi / LANES * 8 * LANES];
+                    // SAFETY: `usable` checked AVX2 and F16C.
+                    unsafe { crate::engine::cpu::lora_f16c::add_b8(blocks, c8, mid) };
+                    add_b_of(bb, c, hi, tail);
+                    return;
+                }
+            }
+            add_b_of(bb, c, first, y)
+        }
     }
+}
+
+/// `add_b` of f32 blocks in the portable loop whatever the instruction set: the slow
+/// reference of `cpu::lora_f16c`.
+#[cfg(test)]
+pub(crate) fn add_b_portable(bb: &[f32], c: &[f32], first: usize, y: &mut [f32]) {
+    add_b_body(bb, c, first, y)
 }
 
 fn add_b_of<E: Elem>(bb: &[E], c: &[f32], first: usize, y: &mut [f32]) {

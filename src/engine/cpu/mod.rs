@@ -8,6 +8,7 @@ pub mod gemm;
 pub mod heap;
 pub mod i8mm;
 pub mod isa;
+pub mod lora_f16c;
 pub mod norm;
 pub mod quant;
 pub mod sample;
