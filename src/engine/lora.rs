@@ -418,12 +418,11 @@ pub fn add_b(bb: Stored, c: &[f32], first: usize, y: &mut [f32]) {
                 if crate::engine::cpu::lora_f16c::usable() {
                     // the ends short of a whole block as before, the whole blocks converted
                     // by F16C (the same bits per output either way)
-                    let end = first + y.len();
-                    let lo = first.next_multiple_of(LANES).min(end);
-                    let hi = lo + (end - lo) / LANES * LANES;
-                    let (head, rest) = y.split_at_mut(lo - first);
-                    let (mid, tail) = rest.split_at_mut(hi - lo);
+                    let whole = whole_blocks(first, y.len());
+                    let (head, rest) = y.split_at_mut(whole.start - first);
+                    let (mid, tail) = rest.split_at_mut(whole.len());
                     add_b_of(bb, c, first, head);
+                    let (lo, hi) = (whole.start, whole.end);
                     let blocks = &bb[lo / LANES * 8 * LANES..hi / LANES * 8 * LANES];
                     // SAFETY: `usable` checked AVX2 and F16C.
                     unsafe { crate::engine::cpu::lora_f16c::add_b8(blocks, c8, mid) };
@@ -434,6 +433,14 @@ pub fn add_b(bb: Stored, c: &[f32], first: usize, y: &mut [f32]) {
             add_b_of(bb, c, first, y)
         }
     }
+}
+
+/// The outputs of `first..first + len` that fill whole blocks of `LANES` (`block_b`); those
+/// before and after it are the range's ends, one output at a time.
+fn whole_blocks(first: usize, len: usize) -> std::ops::Range<usize> {
+    let end = first + len;
+    let lo = first.next_multiple_of(LANES).min(end);
+    lo..lo + (end - lo) / LANES * LANES
 }
 
 /// `add_b` of f32 blocks in the portable loop whatever the instruction set: the slow
@@ -529,10 +536,8 @@ fn add_b_body<E: Elem>(bb: &[E], c: &[f32], first: usize, y: &mut [f32]) {
         }
         (0..r).fold(0f32, |s, j| s + c[j] * b(j))
     };
-    let end = first + y.len();
-    // the outputs before the first whole block, and the whole blocks' range
-    let lo = first.next_multiple_of(LANES).min(end);
-    let hi = lo + (end - lo) / LANES * LANES;
+    let (end, whole) = (first + y.len(), whole_blocks(first, y.len()));
+    let (lo, hi) = (whole.start, whole.end);
     for n in (first..lo).chain(hi..end) {
         y[n - first] += one(n);
     }
