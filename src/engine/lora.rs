@@ -14,6 +14,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 
+use crate::engine::cpu::lora_half;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::weights::SafetensorsFile;
 
@@ -291,18 +292,11 @@ pub fn project_piece(a: Stored, x: &[f32], p: usize, out: &mut [f32]) {
     match a {
         Stored::F32(a) => project_piece_of(a, x, p, out),
         Stored::F16(a) => {
-            #[cfg(target_arch = "x86_64")]
             if let Ok(out8) = <&mut [f32; 8]>::try_from(&mut *out) {
-                if crate::engine::cpu::lora_f16c::usable() {
-                    let k = piece_range(x.len(), p);
-                    // SAFETY: `usable` checked AVX2 and F16C.
-                    return unsafe {
-                        crate::engine::cpu::lora_f16c::project8(
-                            &a[k.start * 8..k.end * 8],
-                            &x[k],
-                            out8,
-                        )
-                    };
+                // rank 8 through the CPU's f16 conversion where it has one (the same bits)
+                let k = piece_range(x.len(), p);
+                if lora_half::project8(&a[k.start * 8..k.end * 8], &x[k], out8) {
+                    return;
                 }
             }
             project_piece_of(a, x, p, out)
@@ -316,7 +310,7 @@ fn piece_range(len: usize, p: usize) -> std::ops::Range<usize> {
 }
 
 /// `project_piece` of f32 copies in the portable loop whatever the instruction set: the
-/// slow reference of `cpu::lora_f16c`.
+/// slow reference of `cpu::lora_half`.
 #[cfg(test)]
 pub(crate) fn project_piece_portable(a: &[f32], x: &[f32], p: usize, out: &mut [f32]) {
     let r = out.len();
@@ -413,21 +407,20 @@ pub fn add_b(bb: Stored, c: &[f32], first: usize, y: &mut [f32]) {
     match bb {
         Stored::F32(bb) => add_b_of(bb, c, first, y),
         Stored::F16(bb) => {
-            #[cfg(target_arch = "x86_64")]
             if let Ok(c8) = <&[f32; 8]>::try_from(c) {
-                if crate::engine::cpu::lora_f16c::usable() {
-                    // the ends short of a whole block as before, the whole blocks converted
-                    // by F16C (the same bits per output either way)
+                if lora_half::usable() {
+                    // the ends short of a whole block as before, the whole blocks through the
+                    // CPU's f16 conversion (the same bits per output either way)
                     let whole = whole_blocks(first, y.len());
                     let (head, rest) = y.split_at_mut(whole.start - first);
                     let (mid, tail) = rest.split_at_mut(whole.len());
-                    add_b_of(bb, c, first, head);
                     let (lo, hi) = (whole.start, whole.end);
                     let blocks = &bb[lo / LANES * 8 * LANES..hi / LANES * 8 * LANES];
-                    // SAFETY: `usable` checked AVX2 and F16C.
-                    unsafe { crate::engine::cpu::lora_f16c::add_b8(blocks, c8, mid) };
-                    add_b_of(bb, c, hi, tail);
-                    return;
+                    if lora_half::add_b8(blocks, c8, mid) {
+                        add_b_of(bb, c, first, head);
+                        add_b_of(bb, c, hi, tail);
+                        return;
+                    }
                 }
             }
             add_b_of(bb, c, first, y)
@@ -444,7 +437,7 @@ fn whole_blocks(first: usize, len: usize) -> std::ops::Range<usize> {
 }
 
 /// `add_b` of f32 blocks in the portable loop whatever the instruction set: the slow
-/// reference of `cpu::lora_f16c`.
+/// reference of `cpu::lora_half`.
 #[cfg(test)]
 pub(crate) fn add_b_portable(bb: &[f32], c: &[f32], first: usize, y: &mut [f32]) {
     add_b_body(bb, c, first, y)

@@ -8,7 +8,7 @@ pub mod gemm;
 pub mod heap;
 pub mod i8mm;
 pub mod isa;
-pub mod lora_f16c;
+pub mod lora_half;
 pub mod norm;
 pub mod quant;
 pub mod sample;
