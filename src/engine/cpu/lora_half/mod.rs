@@ -79,21 +79,25 @@ mod tests {
     type Project8 = unsafe fn(&[Half], &[f32], &mut [f32; 8]);
     type AddB8 = unsafe fn(&[Half], &[f32; 8], &mut [f32]);
 
-    /// This CPU's kernels, called directly whatever `BOT_CPU_ISA` picks: fails rather than
-    /// skips where an x86-64 CPU lacks F16C or AVX2 (every one this project runs on has them).
+    /// This CPU's kernels, called directly whatever `BOT_CPU_ISA` picks, and whether the
+    /// dispatch should take them under the active set: fails rather than skips where an
+    /// x86-64 CPU lacks F16C, AVX2 or FMA (every one this project runs on has them).
     #[cfg(target_arch = "x86_64")]
-    fn kernels() -> (Project8, AddB8) {
+    fn kernels() -> (Project8, AddB8, bool) {
         assert!(
             std::arch::is_x86_feature_detected!("f16c")
-                && std::arch::is_x86_feature_detected!("avx2"),
-            "this x86-64 CPU lacks F16C or AVX2"
+                && std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma"),
+            "this x86-64 CPU lacks F16C, AVX2 or FMA"
         );
-        (f16c::project8, f16c::add_b8)
+        let on = crate::engine::cpu::isa::active().avx2();
+        (f16c::project8, f16c::add_b8, on)
     }
 
     #[cfg(target_arch = "aarch64")]
-    fn kernels() -> (Project8, AddB8) {
-        (neon::project8, neon::add_b8)
+    fn kernels() -> (Project8, AddB8, bool) {
+        let on = crate::engine::cpu::isa::active().neon();
+        (neon::project8, neon::add_b8, on)
     }
 
     fn halves(rng: &mut rand::rngs::StdRng, n: usize, s: f32) -> Vec<Half> {
@@ -105,16 +109,20 @@ mod tests {
     /// Both loops give the portable bodies' bits (the slow references, run through the f32
     /// copies of the same values with `BOT_CPU_ISA`'s choice bypassed), over input lengths
     /// that end mid-chain, several pieces, `y` ranges starting and ending mid-block, and
-    /// subnormal and signed-zero halves; `project_piece` and `add_b`, which take these loops
-    /// where `usable`, give the same bits under every forced instruction set.
+    /// subnormal halves (which a flush to zero would lose); `project_piece` and `add_b` take
+    /// these loops where the active set allows (asserted) and give the same bits.
     #[test]
     fn converted_loops_match_portable_bodies() {
-        let (project8_k, add_b8_k) = kernels();
+        let (project8_k, add_b8_k, on) = kernels();
+        assert_eq!(
+            usable(),
+            on,
+            "the dispatch under the active instruction set"
+        );
         let mut rng = rand::rngs::StdRng::seed_from_u64(17);
         for inp in [1, 3, 4, 7, 64, 1023, 1024, 1029, 3072] {
             let mut a = halves(&mut rng, inp * 8, 0.05);
             a[0] = Half::narrow(3.0e-7).expect("subnormal"); // f16 subnormal
-            a[inp * 8 - 1] = Half::narrow(-0.0).expect("zero");
             let x: Vec<f32> = (0..inp).map(|_| rng.random_range(-4.0..4.0)).collect();
             let wide: Vec<f32> = a.iter().map(|h| h.widen()).collect();
             for p in 0..inp.div_ceil(PIECE) {
