@@ -408,19 +408,17 @@ pub fn add_b(bb: Stored, c: &[f32], first: usize, y: &mut [f32]) {
         Stored::F32(bb) => add_b_of(bb, c, first, y),
         Stored::F16(bb) => {
             if let Ok(c8) = <&[f32; 8]>::try_from(c) {
-                if lora_half::usable() {
-                    // the ends short of a whole block as before, the whole blocks through the
-                    // CPU's f16 conversion (the same bits per output either way)
-                    let whole = whole_blocks(first, y.len());
-                    let (head, rest) = y.split_at_mut(whole.start - first);
-                    let (mid, tail) = rest.split_at_mut(whole.len());
-                    let (lo, hi) = (whole.start, whole.end);
-                    let blocks = &bb[lo / LANES * 8 * LANES..hi / LANES * 8 * LANES];
-                    if lora_half::add_b8(blocks, c8, mid) {
-                        add_b_of(bb, c, first, head);
-                        add_b_of(bb, c, hi, tail);
-                        return;
-                    }
+                // the whole blocks through the CPU's f16 conversion where it has one, the ends
+                // short of a whole block as before (the same bits per output either way)
+                let whole = whole_blocks(first, y.len());
+                let (head, rest) = y.split_at_mut(whole.start - first);
+                let (mid, tail) = rest.split_at_mut(whole.len());
+                let (lo, hi) = (whole.start, whole.end);
+                let blocks = &bb[lo / LANES * 8 * LANES..hi / LANES * 8 * LANES];
+                if lora_half::add_b8(blocks, c8, mid) {
+                    add_b_of(bb, c, first, head);
+                    add_b_of(bb, c, hi, tail);
+                    return;
                 }
             }
             add_b_of(bb, c, first, y)

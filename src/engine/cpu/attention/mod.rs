@@ -52,7 +52,7 @@ macro_rules! lanes {
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "aarch64")]
-mod neon;
+pub(crate) mod neon;
 mod prompt;
 
 /// A value of the KV cache: f32, or f16 for half the bytes. A decode step reads the whole

@@ -23,22 +23,29 @@ lanes!(Neon, exp_sum);
 #[inline]
 unsafe fn load8<E: KvElem>(p: *const E) -> (float32x4_t, float32x4_t) {
     if E::HALF {
-        let h = vld1q_u16(p as *const u16);
-        let (lo, hi): (float32x4_t, float32x4_t);
-        // `lo` is written before `h`'s second read: not a late output, so never `h`'s register
-        asm!(
-            "fcvtl {lo:v}.4s, {h:v}.4h",
-            "fcvtl2 {hi:v}.4s, {h:v}.8h",
-            h = in(vreg) h,
-            lo = out(vreg) lo,
-            hi = lateout(vreg) hi,
-            options(pure, nomem, nostack, preserves_flags)
-        );
-        (lo, hi)
+        widen_halves(vld1q_u16(p as *const u16))
     } else {
         let p = p as *const f32;
         (vld1q_f32(p), vld1q_f32(p.add(4)))
     }
+}
+
+/// Eight f16 values by their bits as two f32 vectors (values 0-3, 4-7) with `fcvtl` and
+/// `fcvtl2`: exact, subnormals included (also LoRA's f16 loops, `cpu::lora_half`).
+#[target_feature(enable = "neon")]
+#[inline]
+pub(crate) unsafe fn widen_halves(h: uint16x8_t) -> (float32x4_t, float32x4_t) {
+    let (lo, hi): (float32x4_t, float32x4_t);
+    // `lo` is written before `h`'s second read: not a late output, so never `h`'s register
+    asm!(
+        "fcvtl {lo:v}.4s, {h:v}.4h",
+        "fcvtl2 {hi:v}.4s, {h:v}.8h",
+        h = in(vreg) h,
+        lo = out(vreg) lo,
+        hi = lateout(vreg) hi,
+        options(pure, nomem, nostack, preserves_flags)
+    );
+    (lo, hi)
 }
 
 /// `f16::store` in NEON: clamped to ±65504 (`fmax`/`fmin` keep a NaN, as `clamp` does), then

@@ -1,33 +1,21 @@
 //! The rank-8 LoRA loops of `lora_half` on aarch64, with `fcvtl`/`fcvtl2` (base AArch64 SIMD:
-//! no FEAT_FP16, so every aarch64 CPU; written as `asm!` because the f16 vector intrinsics
-//! are not stable Rust): an f16 row of `a` or run of `b`, eight values, widened by one load
-//! and two conversions into two four-lane vectors.
+//! no FEAT_FP16, so every aarch64 CPU; the attention kernels' `widen_halves`, as `asm!`
+//! because the f16 vector intrinsics are not stable Rust): an f16 row of `a` or run of `b`,
+//! eight values, widened by one load and two conversions into two four-lane vectors.
 
 use std::arch::aarch64::*;
-use std::arch::asm;
 
+use crate::engine::cpu::attention::neon::widen_halves;
 use crate::engine::lora::{Half, LANES};
 
-/// Eight halves at `p` as two f32 vectors (values 0-3, 4-7): exact, subnormals included
-/// (nothing in this program sets the FPCR's flush-to-zero bits).
+/// Eight halves at `p` as two f32 vectors (values 0-3, 4-7), exactly.
 ///
 /// # Safety
 /// `p` points at eight readable halves.
 #[target_feature(enable = "neon")]
 #[inline]
 unsafe fn widen8(p: *const Half) -> (float32x4_t, float32x4_t) {
-    let h = vld1q_u16(p as *const u16);
-    let (lo, hi): (float32x4_t, float32x4_t);
-    // `lo` is written before `h`'s second read: not a late output, so never `h`'s register
-    asm!(
-        "fcvtl {lo:v}.4s, {h:v}.4h",
-        "fcvtl2 {hi:v}.4s, {h:v}.8h",
-        h = in(vreg) h,
-        lo = out(vreg) lo,
-        hi = lateout(vreg) hi,
-        options(pure, nomem, nostack, preserves_flags)
-    );
-    (lo, hi)
+    widen_halves(vld1q_u16(p as *const u16))
 }
 
 /// `out[j] = Σ_k x[k] a[k][j]` for rank 8 (`a` [x.len(), 8]) in `project_piece_body`'s four
