@@ -71,8 +71,9 @@ for isa in "${isas[@]}"; do
   BOT_CPU_ISA=$isa cargo test --locked "$@" --test integration fast_kernel_matches_mlx -- --quiet >&2
   # ... and the prompt GEMMs as `qmatmul` routes them with that set active (the exact
   # kernels' too: the f32 GEMM's AVX2 half, or the scalar tiles, on every width and group),
-  # and LoRA's f16 loops as the set dispatches them (F16C, or the portable loops under scalar)
-  BOT_CPU_ISA=$isa cargo test --locked "$@" --lib -- --quiet vnni:: amx:: i8mm:: shared_input_prompts int8_prompts exact_matches_reference_on_all_bits_and_groups lora_half:: >&2
+  # and LoRA's f16 loops as the set dispatches them (F16C, or the portable loops under scalar),
+  # and a decode row's LoRA in the integer kernel's region (under scalar: the host pass)
+  BOT_CPU_ISA=$isa cargo test --locked "$@" --lib -- --quiet vnni:: amx:: i8mm:: shared_input_prompts int8_prompts exact_matches_reference_on_all_bits_and_groups lora_half:: lora_in_the_region >&2
   # ... and, where AVX-512 runs, with the decode copy 16 rows interleaved and without it
   # (tile16.rs; which one is the default depends on the CPU's maker; with the copy, prompts
   # of 2-7 tokens take the shared GEMM too, and the host pass adds their LoRA on the host;

@@ -663,6 +663,59 @@ mod tests {
             .num_threads(2)
             .build()
             .expect("pool");
+        let Weight::Quant(q0) = &ls[0].weight else {
+            unreachable!()
+        };
+        if !crate::engine::cpu::quant::decode_shared_ok(&[q0], cols, Numerics::Fast) {
+            // No integer kernel (`BOT_CPU_ISA=scalar`): no region either; the host pass must
+            // then give what each linear's tensor pass gives.
+            assert_eq!(
+                crate::engine::cpu::isa::active(),
+                crate::engine::cpu::isa::Isa::Scalar
+            );
+            let xt = Tensor::from_slice(&x, (1, cols), &Device::Cpu).expect("x");
+            let mut ys: Vec<Vec<f32>> = rows.iter().map(|&n| vec![0f32; n]).collect();
+            let [y0, y1, y2] = &mut ys[..] else {
+                unreachable!()
+            };
+            let mut acts = crate::engine::cpu::quant::IntActs::default();
+            pool.install(|| {
+                Linear::forward_host([&ls[0], &ls[1], &ls[2]], &x, 1, &mut acts, [y0, y1, y2])
+            })
+            .expect("forward_host");
+            for (l, y) in ls.iter().zip(&ys) {
+                let t = l.forward(&xt).expect("forward");
+                let t = t
+                    .flatten_all()
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .expect("vec");
+                let top = t.iter().fold(0f32, |m, a| m.max(a.abs()));
+                let worst = t
+                    .iter()
+                    .zip(y)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                // the same sums in other orders: f32 rounding of the largest output, no more
+                assert!(
+                    worst <= 1e-5 * top,
+                    "host vs tensor pass: {worst} (max {top})"
+                );
+            }
+            let base = Linear {
+                weight: ls[0].weight.clone(),
+                lora: None,
+                kernel: Numerics::Fast,
+                part: Part::Projections,
+            };
+            let base = base
+                .forward(&xt)
+                .expect("base")
+                .flatten_all()
+                .expect("flat");
+            let base = base.to_vec1::<f32>().expect("vec");
+            assert_ne!(base, ys[0], "the branch must change the output");
+            return;
+        }
         let want: Vec<Vec<f32>> = pool.install(|| {
             ls.iter()
                 .map(|l| {
