@@ -663,6 +663,17 @@ mod tests {
             .num_threads(2)
             .build()
             .expect("pool");
+        // the pass under test: the three linears' decode row through `forward_host`
+        let host_pass = || {
+            let mut ys: Vec<Vec<f32>> = rows.iter().map(|&n| vec![0f32; n]).collect();
+            let [y0, y1, y2] = &mut ys[..] else {
+                unreachable!()
+            };
+            let mut acts = crate::engine::cpu::quant::IntActs::default();
+            Linear::forward_host([&ls[0], &ls[1], &ls[2]], &x, 1, &mut acts, [y0, y1, y2])
+                .expect("forward_host");
+            ys
+        };
         let Weight::Quant(q0) = &ls[0].weight else {
             unreachable!()
         };
@@ -674,15 +685,7 @@ mod tests {
                 crate::engine::cpu::isa::Isa::Scalar
             );
             let xt = Tensor::from_slice(&x, (1, cols), &Device::Cpu).expect("x");
-            let mut ys: Vec<Vec<f32>> = rows.iter().map(|&n| vec![0f32; n]).collect();
-            let [y0, y1, y2] = &mut ys[..] else {
-                unreachable!()
-            };
-            let mut acts = crate::engine::cpu::quant::IntActs::default();
-            pool.install(|| {
-                Linear::forward_host([&ls[0], &ls[1], &ls[2]], &x, 1, &mut acts, [y0, y1, y2])
-            })
-            .expect("forward_host");
+            let ys = pool.install(host_pass);
             let tensor_pass = |l: &Linear| {
                 l.forward(&xt)
                     .and_then(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?))
@@ -703,10 +706,8 @@ mod tests {
                 );
             }
             let base = Linear {
-                weight: ls[0].weight.clone(),
                 lora: None,
-                kernel: Numerics::Fast,
-                part: Part::Projections,
+                ..ls[0].clone()
             };
             assert_ne!(
                 tensor_pass(&base),
@@ -733,20 +734,10 @@ mod tests {
         });
         for lead in [false, true] {
             let got = pool.install(|| {
-                let run = || {
-                    let mut ys: Vec<Vec<f32>> = rows.iter().map(|&n| vec![0f32; n]).collect();
-                    let [y0, y1, y2] = &mut ys[..] else {
-                        unreachable!()
-                    };
-                    let mut acts = crate::engine::cpu::quant::IntActs::default();
-                    Linear::forward_host([&ls[0], &ls[1], &ls[2]], &x, 1, &mut acts, [y0, y1, y2])
-                        .expect("forward_host");
-                    ys
-                };
                 if lead {
-                    crate::engine::cpu::team::Team::lead(run)
+                    crate::engine::cpu::team::Team::lead(host_pass)
                 } else {
-                    run()
+                    host_pass()
                 }
             });
             assert_eq!(got, want, "lead {lead}");
